@@ -1,0 +1,5 @@
+import sys
+
+from raysweep.cli import main
+
+sys.exit(main())

@@ -1,0 +1,185 @@
+"""MLflow, written by the driver alone: the sweep's parent run and a child run per trial."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from raysweep.errors import UserError
+from raysweep.metrics import METRIC_NAMES
+
+log = logging.getLogger(__name__)
+
+from ray.tune import Callback as _TuneCallback  # imported by sweep.py only, never by config or cli
+
+
+def resolve_tracking_uri(uri: str | None, cwd: Path | None = None) -> str:
+    """An absolute tracking URI: Train workers chdir, so a relative sqlite path would split the store.
+
+    null → sqlite mlflow.db in the working directory. MLflow 3.17's file store raises, so plain paths
+    and file: URIs are refused with the fix.
+    """
+    cwd = Path(cwd or Path.cwd())
+    if uri is None:
+        return f"sqlite:///{(cwd / 'mlflow.db').resolve()}"
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        return f"sqlite:///{(cwd / path).resolve() if not path.is_absolute() else path}"
+    if uri.startswith(("http://", "https://", "databricks", "postgresql", "mysql", "mssql")):
+        return uri
+    raise UserError(
+        f"mlflow.tracking_uri: {uri!r} is not supported (MLflow 3.17 refuses the file store); use "
+        f"sqlite:///path/to/mlflow.db, an http(s):// tracking server, or null for ./mlflow.db"
+    )
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, spec_text: str) -> tuple[str, str]:
+    """Create (or reuse) the experiment and open the sweep's parent run; returns (experiment_id, run_id)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        experiment_id = found.experiment_id
+    else:
+        db = sqlite_path(tracking_uri)
+        location = (db.parent / "mlartifacts" / experiment).as_uri() if db else None
+        experiment_id = client.create_experiment(experiment, artifact_location=location)
+    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+    client.log_text(run.info.run_id, spec_text, "spec.yaml")
+    return experiment_id, run.info.run_id
+
+
+class MLflowSweepCallback(_TuneCallback):
+    """All MLflow writing of a sweep, on the driver: one child run per trial under the parent.
+
+    params at trial start (knobs + derived), metrics per report with step = epoch, and the final
+    status: FINISHED (reached max_t), KILLED + stopped_by=asha (cut early), FAILED + error tag.
+    Run ids live in get_state/set_state so a restored sweep keeps writing to the same runs.
+    """
+
+    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, config, train_size: int):
+        self.tracking_uri, self.experiment_id, self.parent_run_id = tracking_uri, experiment_id, parent_run_id
+        self.config, self.train_size = config, train_size
+        self.runs: dict[str, str] = {}  # trial id → MLflow run id
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(self.tracking_uri)
+        return self._client
+
+    def __getstate__(self):  # Tune pickles callbacks with the experiment; a client is not state
+        return {**self.__dict__, "_client": None}
+
+    def get_state(self) -> dict:
+        return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id}
+
+    def set_state(self, state: dict) -> None:
+        self.runs.update(state["runs"])
+        self.parent_run_id = state["parent_run_id"]
+
+    def _run_for(self, trial) -> str:
+        run_id = self.runs.get(trial.trial_id)
+        if run_id is None:
+            from mlflow.entities import Param
+
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=trial.trial_id,
+                tags={"mlflow.parentRunId": self.parent_run_id, "trial_id": trial.trial_id},
+            )
+            run_id = self.runs[trial.trial_id] = run.info.run_id
+            params = self.config.trial(dict(trial.config), self.train_size).params()
+            self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        return run_id
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        resumed = trial.trial_id in self.runs
+        run_id = self._run_for(trial)
+        if resumed:
+            self.client.update_run(run_id, status="RUNNING")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        from mlflow.entities import Metric, Param
+
+        run_id = self._run_for(trial)
+        step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
+        metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
+        params = []
+        if step == 1 and "device_name" in result:
+            params.append(Param("device_name", str(result["device_name"])))
+        try:
+            self.client.log_batch(run_id, metrics=metrics, params=params)
+        except Exception:  # a re-logged param after a restart must never stop the sweep
+            self.client.log_batch(run_id, metrics=metrics)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        run_id = self._run_for(trial)
+        epoch = int((trial.last_result or {}).get("epoch", 0))
+        if epoch >= self.config.max_t:
+            self.client.set_terminated(run_id, status="FINISHED")
+        else:
+            self.client.set_tag(run_id, "stopped_by", "asha")
+            self.client.set_tag(run_id, "stopped_at_epoch", str(epoch))
+            self.client.set_terminated(run_id, status="KILLED")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        run_id = self._run_for(trial)
+        self.client.set_tag(run_id, "error", trial_error_line(trial)[:5000])
+        self.client.set_terminated(run_id, status="FAILED")
+
+
+def trial_error_line(trial) -> str:
+    """The most telling line of a trial's error (the root cause, not Tune's wrapper)."""
+    text = ""
+    try:
+        error_file = getattr(trial, "error_file", None)
+        if error_file and Path(error_file).is_file():
+            text = Path(error_file).read_text()
+    except OSError:
+        pass
+    if not text:
+        text = str(getattr(trial, "error_msg", "") or "")
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for line in reversed(lines):  # the innermost exception's message comes last
+        if ("Error" in line or "Exception" in line) and ":" in line and not line.startswith("File "):
+            return line
+    return lines[-1] if lines else "unknown error"
+
+
+def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric: str, status: str) -> None:
+    """End the parent run with the best trial's params and metric; end children left RUNNING."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if best is not None:
+        params = [Param(f"best.{k}", str(v)) for k, v in best["params"].items()]
+        now = int(time.time() * 1000)
+        client.log_batch(parent_run_id, metrics=[Metric(f"best_{metric}", float(best["value"]), now, 0)], params=params)
+        client.set_tag(parent_run_id, "best_trial_id", best["trial_id"])
+    run = client.get_run(parent_run_id)
+    experiment_id = run.info.experiment_id
+    children = client.search_runs(
+        [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"
+    )
+    for child in children:  # interrupted: `tune --resume` sets them RUNNING again
+        client.set_tag(child.info.run_id, "interrupted", "true")
+        client.set_terminated(child.info.run_id, status="KILLED")
+    client.set_terminated(parent_run_id, status=status)
+
+
+def runs_link(tracking_uri: str, experiment_id: str, port: int = 5000) -> tuple[str, str]:
+    """(`mlflow ui` command, link to the runs table): 3.17 opens experiments on a GenAI page otherwise."""
+    command = f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port {port}"
+    return command, f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
