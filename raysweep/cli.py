@@ -69,11 +69,18 @@ def cmd_check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Ray reads this when first imported; explicit token auth silences its warning and stays secure
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     args = build_parser().parse_args(argv)
+    if not args.__dict__.get("address"):
+        # Ray reads this when first imported: explicit token auth for the local cluster raysweep starts
+        # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Tune's new console engine prints its own boxes even at verbose=0; raysweep prints progress itself
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     logging.basicConfig(level=logging.INFO if args.__dict__.get("verbose") else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.__dict__.get("verbose"):
+        # MLflow sets its loggers up on import from this variable ("Creating initial MLflow database tables...")
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     try:
         return args.func(args)
     except UserError as e:

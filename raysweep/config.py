@@ -205,7 +205,7 @@ class ScalingConfig(_Section):
 
 class TrainConfig(_Section):
     epochs: PosInt = Field(6, description="epochs per trial")
-    precision: Precision = Field("fp32", description="autocast dtype: fp32 | bf16 | fp16 (fp16 adds a GradScaler)")
+    precision: Precision = Field("fp32", description="autocast dtype: fp32, bf16 or fp16 (fp16 adds a GradScaler)")
     lr_rule: LrRule = Field("sqrt", description="peak_lr = base_lr × (global/reference)^p; p = 1, ½ or 0")
     reference_batch_size: PosInt = Field(256, description="global batch at which base_lr is given")
     min_lr: NonNegFloat = Field(1.0e-6, description="cosine floor")
@@ -243,7 +243,7 @@ class AshaConfig(_Section):
 class TuneSection(_Section):
     num_samples: PosInt = Field(6, description="trials")
     metric: str = Field("val_loss", description="metric ASHA ranks trials by")
-    mode: Literal["min", "max"] = Field("min", description="min | max")
+    mode: Literal["min", "max"] = Field("min", description="min or max")
     max_concurrent_trials: PosInt | None = Field(None, description="null → planned from the cluster")
     seed: Int = Field(0, description="search seed")
     asha: AshaConfig = AshaConfig()
@@ -509,10 +509,11 @@ def _fields_at(loc: tuple) -> list[str]:
     """Valid key names of the section at `loc` (for 'did you mean')."""
     cls: Any = SweepConfig
     for part in loc:
-        if isinstance(part, str) and part in DISTRIBUTIONS and not (
-            isinstance(cls, type) and issubclass(cls, BaseModel) and part in cls.model_fields
-        ):
-            cls = DISTRIBUTIONS[part]
+        if cls is SearchConfig and part in SearchConfig.model_fields:
+            cls = "knob"  # next comes the discriminator tag naming the distribution
+            continue
+        if cls == "knob":
+            cls = DISTRIBUTIONS.get(part)
             continue
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
             return []
@@ -578,3 +579,14 @@ def _describe(error: ValidationError, source: str, overridden: dict[str, str]) -
 def spec_yaml(config: SweepConfig) -> str:
     """The resolved spec as YAML (every default filled in): logged with each sweep."""
     return yaml.safe_dump(config.model_dump(mode="json", exclude_none=False), sort_keys=False)
+
+
+def iter_keys(cls: type[BaseModel] = None, prefix: str = ""):
+    """(dotted key, default, description) for every key of the schema (README's table is made from it)."""
+    cls = cls or SweepConfig
+    for name, field in cls.model_fields.items():
+        sub = _model_in(field.annotation)
+        if sub is not None and cls is not SearchConfig:  # a section, not a knob
+            yield from iter_keys(sub, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.default, field.description or ""

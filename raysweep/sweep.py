@@ -169,7 +169,7 @@ class ConsoleProgress:
     """
 
     COLUMNS = ("trial", "status", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch",
-               "val_loss", "val_exact", "samples/s", "peak_mem_gb")
+               "val_loss", "val_exact", "samples/s", "mem_gib")
 
     def __init__(self, config: SweepConfig, train_size: int, every_s: float = 30.0, per_epoch: bool = False):
         self.config, self.train_size, self.every_s, self.per_epoch = config, train_size, every_s, per_epoch
@@ -187,7 +187,10 @@ class ConsoleProgress:
         t = self._trial_cfg(trial)
         r = trial.last_result or {}
         mem = r.get("peak_mem_allocated_gb") or r.get("rss_gb")
-        return [trial.trial_id, trial.status.lower(), str(t.knobs.per_gpu_batch_size), str(t.global_batch_size),
+        status = trial.status.lower()
+        if status == "terminated":
+            status = "done" if int(r.get("epoch", 0)) >= self.config.max_t else "pruned"
+        return [trial.trial_id, status, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size),
                 _fmt(t.knobs.base_lr, ".2e"), _fmt(t.peak_lr, ".2e"), _fmt(t.knobs.warmup_epochs, "g"),
                 _fmt(t.knobs.weight_decay, ".1e"), _fmt(r.get("epoch")), _fmt(r.get("val_loss")),
                 _fmt(r.get("val_exact_acc"), ".3f"), _fmt(r.get("samples_per_s"), ",.0f"), _fmt(mem, ".2f")]
@@ -284,16 +287,16 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     if resume and not experiment_path.is_dir():
         raise UserError(f"--resume: no sweep at {experiment_path} (storage_path {str(config.storage_path)!r}, name {name!r})")
 
-    data = load_data(config.data)  # decoded once per sweep, before Ray starts (no fork under Ray threads)
-    print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images "
-          f"{config.data.width}×{config.data.height}, {config.data.length} characters of {config.data.num_classes}")
     started_ray = connect(address, config, verbose)
     try:
         import ray
 
         num_samples = 1 if single else config.tune.num_samples
-        plan = plan_concurrency(ray.cluster_resources(), config, num_samples)
+        plan = plan_concurrency(ray.cluster_resources(), config, num_samples)  # before any work: fail fast
         print(f"plan: {plan.message}")
+        data = load_data(config.data)  # decoded once per sweep; trials get an object ref, never paths
+        print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images "
+              f"{config.data.width}×{config.data.height}, {config.data.length} characters of {config.data.num_classes}")
         context = SweepContext(config, ray.put(data), len(data.train), str(experiment_path / "train"))
         del data
         experiment_id, parent_run_id = tracking.open_sweep(
@@ -354,7 +357,11 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage, name
         searched = config.searched()
         # the spec's defaults run first: a known baseline every sweep can be compared against
         first = [{k: defaults[k] for k in searched}] if searched else None
-        search_alg = BasicVariantGenerator(points_to_evaluate=first, random_state=t.seed)
+        # max_concurrent must be set here: Tune ignores TuneConfig.max_concurrent_trials when search_alg
+        # is a BasicVariantGenerator instance (tune.py wraps only Searchers), and oversubscribed
+        # trials then wait for workers until they time out
+        search_alg = BasicVariantGenerator(points_to_evaluate=first, random_state=t.seed,
+                                           max_concurrent=plan.trials_at_once)
         scheduler = ASHAScheduler(
             time_attr="epoch",  # worker-reported: Tune's training_iteration restarts at 1 after a restore
             max_t=config.max_t, grace_period=t.asha.grace_period, reduction_factor=t.asha.reduction_factor,
@@ -364,7 +371,7 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage, name
         param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=t.metric, mode=t.mode, num_samples=1 if single else t.num_samples, scheduler=scheduler,
-            search_alg=search_alg, max_concurrent_trials=plan.trials_at_once,
+            search_alg=search_alg, max_concurrent_trials=None if search_alg else plan.trials_at_once,
         ),
         run_config=tune.RunConfig(name=name, storage_path=str(storage), callbacks=callbacks, verbose=0),
     )

@@ -151,8 +151,11 @@ def trial_error_line(trial) -> str:
     if not text:
         text = str(getattr(trial, "error_msg", "") or "")
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    for line in reversed(lines):  # the innermost exception's message comes last
+    for i in range(len(lines) - 1, -1, -1):  # the innermost exception's message comes last
+        line = lines[i]
         if ("Error" in line or "Exception" in line) and ":" in line and not line.startswith("File "):
+            if line.endswith(":") and i + 1 < len(lines):  # "...controller error:" + the reason below
+                line = f"{line} {lines[i + 1]}"
             return line
     return lines[-1] if lines else "unknown error"
 

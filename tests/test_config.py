@@ -1,0 +1,160 @@
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, tiny_spec, write_spec
+from raysweep.config import load_config
+from raysweep.errors import UserError
+
+
+def _error(tmp_path, text: str, overrides=()) -> str:
+    with pytest.raises(UserError) as e:
+        load_config(write_spec(tmp_path, text), list(overrides))
+    message = str(e.value)
+    assert "\n" not in message  # one line
+    return message
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "search_spaces").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_spec_in_search_spaces_loads(path):
+    config = load_config(path)
+    assert config.searched(), "a sweep spec searches at least one knob"
+
+
+def test_defaults_match_design(tmp_path):
+    config = load_config(write_spec(tmp_path, "name: defaults\n"))
+    assert config.data.charset == "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    assert (config.data.length, config.data.width, config.data.height) == (4, 160, 60)
+    assert config.train.lr_rule == "sqrt" and config.train.reference_batch_size == 256
+    assert config.train.grad_clip == 1.0 and config.tune.metric == "val_loss"
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    msg = _error(tmp_path, "search:\n  warmup_epoch: 2\n")
+    assert msg.startswith(f"{tmp_path / 'spec.yaml'}: search.warmup_epoch: unknown key 'warmup_epoch'")
+    assert "did you mean 'warmup_epochs'?" in msg
+
+
+def test_unknown_key_inside_a_distribution(tmp_path):
+    msg = _error(tmp_path, "search:\n  per_gpu_batch_size: {choice: [16, 32], defualt: 16}\n")
+    assert "search.per_gpu_batch_size.choice.defualt" in msg or "search.per_gpu_batch_size.defualt" in msg
+    assert "did you mean 'default'?" in msg
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    msg = _error(tmp_path, "scaling:\n  num_workers: two\n")
+    assert "scaling.num_workers" in msg and "'two'" in msg
+
+
+def test_bool_is_not_a_number(tmp_path):
+    assert "expected a number, got True" in _error(tmp_path, "train:\n  min_lr: true\n")
+
+
+def test_yaml_1e_minus_4_reads_as_a_number(tmp_path):
+    config = load_config(write_spec(tmp_path, "search:\n  base_lr: {loguniform: [1e-4, 3e-3], default: 1e-3}\n"))
+    assert config.search.base_lr.loguniform == (1e-4, 3e-3)
+    assert load_config(write_spec(tmp_path, ""), ["train.min_lr=1e-7"]).train.min_lr == 1e-7
+
+
+def test_quoted_1e_minus_4_is_rejected_with_the_fix(tmp_path):
+    msg = _error(tmp_path, 'search:\n  base_lr: {loguniform: ["1e-4", 3.0e-3]}\n')
+    assert "search.base_lr.loguniform[0]: expected a number, got '1e-4' (write it unquoted, e.g. 0.0001)" in msg
+
+
+@pytest.mark.parametrize("text, key", [
+    ("search:\n  base_lr: 0\n", "search.base_lr"),
+    ("search:\n  base_lr: -1.0e-3\n", "search.base_lr"),
+    ("search:\n  per_gpu_batch_size: 0\n", "search.per_gpu_batch_size"),
+    ("search:\n  per_gpu_batch_size: {choice: [32, -64]}\n", "search.per_gpu_batch_size.choice[1]"),
+    ("scaling:\n  num_workers: 0\n", "scaling.num_workers"),
+    ("search:\n  base_lr: {loguniform: [0.0, 1.0e-3]}\n", "search.base_lr.loguniform[0]"),
+])
+def test_non_positive_lr_batch_workers(tmp_path, text, key):
+    msg = _error(tmp_path, text)
+    assert f"{key}: must be above 0" in msg
+
+
+def test_loguniform_low_not_below_high(tmp_path):
+    msg = _error(tmp_path, "search:\n  base_lr: {loguniform: [3.0e-3, 1.0e-4]}\n")
+    assert "search.base_lr" in msg and "low 0.003 must be below high 0.0001" in msg
+
+
+def test_distribution_not_allowed_for_knob(tmp_path):
+    msg = _error(tmp_path, "search:\n  per_gpu_batch_size: {loguniform: [16, 64]}\n")
+    assert "search.per_gpu_batch_size: 'loguniform' is not allowed here" in msg
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(UserError, match=r"nope\.yaml: no such spec file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_missing_data_folder(tmp_path):
+    msg = _error(tmp_path, f"data:\n  train_dir: {tmp_path / 'missing'}\n")
+    assert "data.train_dir: no such folder" in msg and "missing" in msg
+
+
+def test_grace_shorter_than_warmup_is_refused_unless_allowed(tmp_path):
+    text = "search:\n  warmup_epochs: {randint: [0, 3]}\ntune:\n  asha: {grace_period: 2}\n"
+    assert "grace_period 2 is shorter than the largest warmup_epochs in the search (3)" in _error(tmp_path, text)
+    config = load_config(write_spec(tmp_path, text), ["tune.asha.allow_grace_within_warmup=true"])
+    assert config.tune.asha.grace_period == 2
+
+
+def test_unknown_metric(tmp_path):
+    assert "did you mean 'val_exact_acc'?" in _error(tmp_path, "tune:\n  metric: val_exact\n")
+
+
+def test_set_override_parses_yaml(tmp_path):
+    path = write_spec(tmp_path, "")
+    config = load_config(path, ["search.per_gpu_batch_size={choice: [32, 64]}", "train.epochs=2"])
+    assert config.search.per_gpu_batch_size.choice == [32, 64] and config.train.epochs == 2
+
+
+def test_set_override_error_names_the_override(tmp_path):
+    msg = _error(tmp_path, "", ["train.epochs=-1"])
+    assert "(--set train.epochs=-1)" in msg and "train.epochs: must be above 0" in msg
+    with pytest.raises(UserError, match="expected dotted.key=value"):
+        load_config(write_spec(tmp_path, ""), ["train.epochs"])
+
+
+def test_derived_values_exact(tmp_path):
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), [])
+    config3 = config.model_copy(update={"scaling": config.scaling.model_copy(update={"num_workers": 3}),
+                                        "train": config.train.model_copy(update={"reference_batch_size": 256})})
+    trial = config3.trial({"per_gpu_batch_size": 1024, "base_lr": 2e-4, "warmup_epochs": 2}, train_size=50_000)
+    assert trial.global_batch_size == 3072
+    assert trial.peak_lr == pytest.approx(6.928e-4, rel=1e-4)  # 2e-4 × sqrt(3072 / 256)
+    assert trial.steps_per_epoch == 17  # ceil(50000 / 3072)
+    assert trial.warmup_steps == 34 and trial.total_steps == 3 * 17
+    accum = config3.trial({"per_gpu_batch_size": 512, "grad_accum_steps": 2, "base_lr": 2e-4}, train_size=50_000)
+    assert accum.global_batch_size == 3072 and accum.peak_lr == trial.peak_lr
+    params = trial.params()
+    assert params["global_batch_size"] == 3072 and params["world_size"] == 3
+
+
+def test_default_knobs_take_default_else_first_choice_or_lower_bound(tmp_path):
+    text = ("search:\n  per_gpu_batch_size: {choice: [16, 32], default: 32}\n  base_lr: {loguniform: [1.0e-4, 1.0e-3]}\n"
+            "  warmup_epochs: {randint: [0, 1]}\n  weight_decay: 0.01\n")
+    assert load_config(write_spec(tmp_path, text)).default_knobs() == {
+        "per_gpu_batch_size": 32, "base_lr": 1e-4, "warmup_epochs": 0, "weight_decay": 0.01}
+
+
+def test_cli_prints_one_line_exit_2_no_traceback(tmp_path):
+    path = write_spec(tmp_path, "train:\n  epoch: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "raysweep", "train", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"raysweep: error: {path}: train.epoch: unknown key 'epoch' (did you mean 'epochs'?)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_readme_documents_every_key():
+    from raysweep.config import iter_keys
+
+    readme = (ROOT / "README.md").read_text()
+    keys = [key for key, _, _ in iter_keys()]
+    assert len(keys) > 40
+    missing = [key for key in keys if f"| `{key}` |" not in readme]
+    assert not missing, f"README's key table lacks {missing}"

@@ -1,0 +1,74 @@
+"""The loop's pure pieces, without Ray: batch plans and one epoch on one CPU process."""
+
+import numpy as np
+import pytest
+import torch
+
+from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
+from raysweep.data import CaptchaArrays
+from raysweep.model import CaptchaCNN
+from raysweep.optim import build_optimizer, build_scheduler
+from raysweep.train_loop import Shard, epoch_plan, evaluate, shard_bounds, train_one_epoch
+
+
+@pytest.mark.parametrize("n, world, batches", [(512, 2, 8), (500, 3, 6), (50_000, 3, 17), (7, 2, 3)])
+def test_plans_cover_every_sample_once_per_epoch_across_ranks(n, world, batches):
+    seen = []
+    for rank in range(world):
+        start, stop = shard_bounds(n, rank, world)
+        plan = epoch_plan(stop - start, batches, seed=0, epoch=3, rank=rank)
+        assert len(plan) == batches  # same number of micro-batches on every rank
+        sizes = [len(b) for b in plan]
+        assert max(sizes) - min(sizes) <= 1
+        seen.extend(start + i for b in plan for i in b)
+    assert sorted(seen) == list(range(n))
+
+
+def test_plans_reshuffle_each_epoch_and_replay_exactly():
+    a = np.concatenate(epoch_plan(100, 4, seed=0, epoch=1, rank=0))
+    assert np.array_equal(a, np.concatenate(epoch_plan(100, 4, seed=0, epoch=1, rank=0)))
+    assert not np.array_equal(a, np.concatenate(epoch_plan(100, 4, seed=0, epoch=2, rank=0)))
+
+
+def test_too_small_shard_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot fill 8 micro-batches"):
+        epoch_plan(5, 8, 0, 1, 0)
+
+
+def _trial(batch=16, accum=1, n=96):
+    return TrialConfig(
+        knobs=Knobs(per_gpu_batch_size=batch, base_lr=3e-3, warmup_epochs=0, weight_decay=0.0, grad_accum_steps=accum,
+                    lr_rule="none"),
+        train=TrainConfig(epochs=3), model=ModelConfig(dropout=0.0), scaling=ScalingConfig(num_workers=1),
+        image=ImageSpec(width=64, height=24, length=4, num_classes=36), train_size=n,
+    )
+
+
+def test_one_process_epochs_lower_the_loss_and_count_steps():
+    rng = np.random.default_rng(0)
+    arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))
+    trial = _trial()
+    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = CaptchaCNN(24, 64, 4, 36, dropout=0.0)
+    opt = build_optimizer(model, trial.peak_lr, 0.0, "cpu")
+    sched = build_scheduler(opt, trial.peak_lr, 1e-6, 0, trial.total_steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss_fn = torch.nn.MultiLabelSoftMarginLoss()
+    losses = []
+    for epoch in (1, 2, 3):
+        sums = train_one_epoch(model, shard, opt, sched, scaler, loss_fn, trial, epoch, 0)
+        losses.append(float(sums["train_loss_sum"]) / sums["train_samples"])
+        assert sums["train_samples"] == 96 and sums["optimizer_steps"] == 6
+    assert losses[-1] < losses[0]
+    assert sched.last_epoch == 18
+    val = evaluate(model, shard, loss_fn, trial)
+    assert val["val_samples"] == 96 and val["val_char_total"] == 384
+    assert 0 <= float(val["val_exact"]) <= float(val["val_chars"]) <= 384
+
+
+def test_accumulation_keeps_global_batch_and_step_count():
+    one, two = _trial(batch=32, accum=1), _trial(batch=16, accum=2)
+    assert one.global_batch_size == two.global_batch_size == 32
+    assert one.steps_per_epoch == two.steps_per_epoch == 3
+    assert one.peak_lr == two.peak_lr

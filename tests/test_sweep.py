@@ -1,0 +1,177 @@
+"""`tune` end to end on the real local cluster (2 CPUs → room for 1 trial), MLflow on SQLite."""
+
+import pytest
+
+from conftest import tiny_spec, write_spec
+from raysweep.cli import main
+from raysweep.config import load_config
+from raysweep.errors import UserError
+from raysweep.sweep import plan_concurrency, search_space
+from raysweep.tracking import resolve_tracking_uri
+
+SWEEP = dict(
+    train={"epochs": 4, "reference_batch_size": 64},
+    search={
+        "per_gpu_batch_size": {"choice": [16, 32], "default": 16},
+        "base_lr": {"loguniform": [1.0e-5, 3.0e-3], "default": 2.0e-3},
+        "warmup_epochs": {"randint": [0, 1], "default": 1},
+        "weight_decay": {"loguniform": [1.0e-5, 1.0e-2], "default": 1.0e-4},
+    },
+    tune={"num_samples": 6, "metric": "val_loss", "mode": "min", "seed": 0,
+          "asha": {"max_t": 4, "grace_period": 1, "reduction_factor": 2}},
+)
+
+
+@pytest.mark.ray
+def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+    from ray.tune import ExperimentAnalysis
+
+    path = write_spec(tmp_path, tiny_spec(tmp_path, **SWEEP))
+    assert main(["tune", str(path), "--progress-every", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: 2 CPU, 2 workers/trial → 1 trial at a time; ASHA prunes sequentially" in out
+    assert "top trials by val_loss (min):" in out and "mlflow ui --backend-store-uri" in out
+
+    # Tune's own record of the sweep
+    analysis = ExperimentAnalysis(str(tmp_path / "results" / "t"))
+    trials = {t.trial_id: t for t in analysis.trials}
+    assert len(trials) == 6 and all(t.status == "TERMINATED" for t in trials.values())
+    last_epoch = {tid: int(t.last_result["epoch"]) for tid, t in trials.items()}
+    pruned = {tid for tid, e in last_epoch.items() if e < 4}
+    assert pruned, "ASHA stopped no trial"
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("t")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 6
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and "best_val_loss" in parent.data.metrics
+    assert parent.data.tags["best_trial_id"] in trials
+    assert "spec.yaml" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+    for child in children:
+        tid = child.info.run_name
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id and child.data.tags["trial_id"] == tid
+        for param in ("global_batch_size", "peak_lr", "per_gpu_batch_size", "base_lr", "warmup_steps", "device_name"):
+            assert param in child.data.params, param
+        for metric in ("train_loss", "val_exact_acc", "lr", "peak_mem_allocated_gb", "rss_gb"):
+            steps = [m.step for m in client.get_metric_history(child.info.run_id, metric)]
+            assert steps == list(range(1, last_epoch[tid] + 1)), (tid, metric)
+        if tid in pruned:  # statuses match Tune's: cut early → KILLED by ASHA
+            assert child.info.status == "KILLED" and child.data.tags["stopped_by"] == "asha"
+        else:
+            assert child.info.status == "FINISHED"
+
+    # room for one trial: the plan held, no two trials ran at once
+    spans = sorted((c.info.start_time, c.info.end_time) for c in children)
+    assert all(prev_end <= start for (_, prev_end), (start, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("overrides, message", [
+    (["scaling.num_workers=3"], "a trial needs 3 CPUs (3 workers × 1) but the cluster has 2"),
+    (["scaling.use_gpu=true"], "scaling.use_gpu: true but the cluster has no GPU"),
+])
+def test_impossible_spec_errors_before_start(ray_cluster, tmp_path, capsys, overrides, message):
+    path = write_spec(tmp_path, tiny_spec(tmp_path, **SWEEP))
+    assert main(["tune", str(path), *[a for o in overrides for a in ("--set", o)]]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "data:" not in captured.out  # nothing was generated or started
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.ray
+def test_worker_group_that_cannot_start_fails_its_trial_after_a_bounded_wait(ray_cluster, tmp_path, capsys):
+    import time
+
+    @ray_cluster.remote(num_cpus=2)
+    class Hog:  # holds every CPU, so the trial's workers can never be placed
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray_cluster.get(hog.ready.remote())
+    try:
+        path = write_spec(tmp_path, tiny_spec(tmp_path))
+        t0 = time.monotonic()
+        assert main(["train", str(path)]) == 1  # no trial succeeded
+        waited = time.monotonic() - t0
+    finally:
+        ray_cluster.kill(hog)
+    out = capsys.readouterr()
+    assert "worker group startup timed out" in out.out
+    assert waited < 4 * 15 + 60  # (controller_failure_limit + 1) × timeout, plus start-up
+
+
+def test_plan_for_three_gpus_three_workers(tmp_path):
+    config = load_config_from(tmp_path, {"scaling": {"num_workers": 3, "use_gpu": True, "cpus_per_worker": 4}})
+    plan = plan_concurrency({"CPU": 48, "GPU": 3, "trial_driver": 8}, config, num_samples=20)
+    assert plan.trials_at_once == 1
+    assert plan.message == "3 GPU, 3 workers/trial → 1 trial at a time; ASHA prunes sequentially"
+    assert plan_concurrency({"CPU": 48, "GPU": 8, "trial_driver": 8}, config, 20).trials_at_once == 2
+    with pytest.raises(UserError, match=r"a trial needs 12 CPUs \(3 workers × 4\) but the cluster has 8"):
+        plan_concurrency({"CPU": 8, "GPU": 8, "trial_driver": 8}, config, 20)
+
+
+def test_plan_respects_cpus_cap_and_trial_drivers(tmp_path):
+    config = load_config_from(tmp_path, {"scaling": {"num_workers": 2, "cpus_per_worker": 2}, "tune": {"max_concurrent_trials": 3}})
+    assert plan_concurrency({"CPU": 32, "trial_driver": 64}, config, 10).trials_at_once == 3  # capped
+    assert plan_concurrency({"CPU": 8, "trial_driver": 64}, config, 10).trials_at_once == 2  # CPUs
+    assert plan_concurrency({"CPU": 32, "trial_driver": 1}, config, 10).trials_at_once == 1  # drivers
+    with pytest.raises(UserError, match="no 'trial_driver' resource"):
+        plan_concurrency({"CPU": 32}, config, 10)
+
+
+def test_search_space_maps_each_distribution(tmp_path):
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    space = search_space(load_config_from(tmp_path, SWEEP))
+    assert isinstance(space["per_gpu_batch_size"], Categorical)
+    assert isinstance(space["base_lr"], Float) and (space["base_lr"].lower, space["base_lr"].upper) == (1e-5, 3e-3)
+    assert isinstance(space["warmup_epochs"], Integer) and space["warmup_epochs"].upper == 2  # inclusive 1
+    assert "grad_accum_steps" not in space
+
+
+def test_tracking_uri_is_absolute_and_file_store_refused(tmp_path):
+    assert resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert resolve_tracking_uri("sqlite:///sub/m.db", tmp_path) == f"sqlite:///{tmp_path}/sub/m.db"
+    assert resolve_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    for bad in ("./mlruns", "file:///tmp/mlruns"):
+        with pytest.raises(UserError, match="refuses the file store"):
+            resolve_tracking_uri(bad, tmp_path)
+
+
+def load_config_from(tmp_path, sections: dict):
+    return load_config(write_spec(tmp_path, tiny_spec(tmp_path, **sections)))
+
+
+def test_cluster_yaml_passes_rays_own_validation():
+    import copy
+
+    import yaml
+    from ray.autoscaler._private.commands import _bootstrap_config
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from conftest import ROOT
+
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    config = prepare_config(copy.deepcopy(raw))
+    validate_config(config)
+    booted = _bootstrap_config(config, no_config_cache=True)  # the rest of `ray up`'s offline path
+    assert booted["provider"]["type"] == "local"
+    head = " ".join(raw["head_start_ray_commands"])
+    assert "trial_driver" in head and "--dashboard-host=127.0.0.1" in head
+    assert any('ray[default,train,tune]==2.60.*' in c for c in raw["setup_commands"])
+
+
+def test_large_batch_spec_is_the_users_sweep():
+    from conftest import ROOT
+
+    config = load_config(ROOT / "search_spaces" / "large_batch.yaml")
+    assert (config.scaling.num_workers, config.scaling.use_gpu, config.train.precision) == (3, True, "bf16")
+    assert config.search.per_gpu_batch_size.choice == [256, 512, 768, 1024]
+    assert config.search.base_lr.loguniform == (1e-4, 3e-3) and config.train.lr_rule == "sqrt"
+    assert config.search.warmup_epochs.randint == (0, 10) and config.tune.asha.grace_period >= 10
+    assert (config.train.epochs, config.data.synthetic.train_size, config.data.synthetic.val_size) == (150, 50_000, 5_000)
