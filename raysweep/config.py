@@ -25,7 +25,7 @@ PosInt = Annotated[int, Strict(), Field(gt=0)]
 NonNegInt = Annotated[int, Strict(), Field(ge=0)]
 PosFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LrRule = Literal["linear", "sqrt", "none"]
 
 DEFAULT_CHARSET = string.digits + string.ascii_uppercase
@@ -205,7 +205,10 @@ class ScalingConfig(_Section):
 
 class TrainConfig(_Section):
     epochs: PosInt = Field(6, description="epochs per trial")
-    precision: Precision = Field("fp32", description="autocast dtype: fp32, bf16 or fp16 (fp16 adds a GradScaler)")
+    precision: Precision = Field(
+        "auto", description="autocast dtype: fp32, bf16, fp16 (adds a GradScaler), or auto: bf16 on GPUs that support it, else fp32"
+    )
+    compile: bool = Field(False, description="torch.compile the model (no gain measured on CPU; see benchmarks)")
     lr_rule: LrRule = Field("sqrt", description="peak_lr = base_lr × (global/reference)^p; p = 1, ½ or 0")
     reference_batch_size: PosInt = Field(256, description="global batch at which base_lr is given")
     min_lr: NonNegFloat = Field(1.0e-6, description="cosine floor")

@@ -116,8 +116,8 @@ class MLflowSweepCallback(_TuneCallback):
         step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
         metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
         params = []
-        if step == 1 and "device_name" in result:
-            params.append(Param("device_name", str(result["device_name"])))
+        if step == 1:  # known only on the workers
+            params = [Param(k, str(result[k])) for k in ("device_name", "precision_used") if k in result]
         try:
             self.client.log_batch(run_id, metrics=metrics, params=params)
         except Exception:  # a re-logged param after a restart must never stop the sweep

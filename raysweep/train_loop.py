@@ -31,6 +31,30 @@ GiB = 2**30
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` → bf16 on a GPU that supports it, else fp32 (bf16 ran 3× slower than fp32 on the AVX2 CPUs here)."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def keep_freed_memory_in_heap() -> bool:
+    """glibc: serve large tensors from the heap and keep them there once freed.
+
+    By default every allocation over 32 MB is a fresh mmap, page-faulted on first touch and unmapped
+    on free, so each step re-faults every activation: a 157 MB elementwise pass took 77 ms into new
+    memory and 13 ms into reused memory here (benchmarks/RESULTS.md). Returns False where it does not apply.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # Data on the rank: a contiguous shard, resident once (device memory on GPU), sliced per batch.
 
@@ -76,9 +100,12 @@ class Shard:
         return len(self.labels)
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 → float in [0, 1] on the device; no host work beyond launching kernels."""
+        """uint8 → float in [0, 1] on the device; no host work beyond launching kernels.
+
+        With one channel, (B, 1, H, W) contiguous is already channels_last in memory: no copy.
+        """
         x = self.images[idx].unsqueeze(1).float().div_(255.0)
-        return x, self.targets[idx]
+        return x.contiguous(memory_format=torch.channels_last), self.targets[idx]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,6 +120,7 @@ def train_worker(config: dict) -> None:
 
     trial = TrialConfig.from_dict(config["trial"])
     _quiet_ray_train_logs()
+    keep_freed_memory_in_heap()
     data = ray.get(config["data"])  # zero-copy from the node's object store
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
@@ -100,12 +128,15 @@ def train_worker(config: dict) -> None:
     tc, img = trial.train, trial.image
 
     torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-    model = CaptchaCNN(img.height, img.width, img.length, img.num_classes, trial.model.dropout)
+    model = build_model(trial)
     model = ray.train.torch.prepare_model(model)  # to device; DDP only when world_size > 1
     core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if tc.compile:
+        model = torch.compile(model)  # after DDP wrapping, so DDP's bucketing sees the compiled graph
     optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
     scheduler = build_scheduler(optimizer, trial.peak_lr, tc.min_lr, trial.warmup_steps, trial.total_steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=tc.precision == "fp16")
+    precision = resolve_precision(tc.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     start_epoch, samples_seen = 1, 0
     checkpoint = ray.train.get_checkpoint()
@@ -131,16 +162,17 @@ def train_worker(config: dict) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        sums = train_one_epoch(model, train, optimizer, scheduler, scaler, loss_fn, trial, epoch, rank)
+        sums = train_one_epoch(model, train, optimizer, scheduler, scaler, loss_fn, trial, epoch, rank, precision)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once per epoch: make the timing honest
         train_time = time.perf_counter() - t0
-        sums.update(evaluate(core, val, loss_fn, trial))
+        sums.update(evaluate(core, val, loss_fn, trial, precision))
         metrics = reduce_metrics(sums, train_time, time.perf_counter() - t0, device)
         samples_seen += int(metrics.pop("train_samples"))
         metrics.update(epoch=epoch, samples_seen=samples_seen, lr=scheduler.get_last_lr()[0])
         if rank == 0:
             metrics["device_name"] = _device_name(device)
+            metrics["precision_used"] = precision
 
         due = epoch % tc.checkpoint_every == 0 or epoch == tc.epochs
         report(metrics, rank, due, lambda: {
@@ -149,14 +181,22 @@ def train_worker(config: dict) -> None:
         })
 
 
-def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: TrialConfig, epoch: int, rank: int) -> dict:
+def build_model(trial: TrialConfig) -> nn.Module:
+    img = trial.image
+    model = CaptchaCNN(img.height, img.width, img.length, img.num_classes, trial.model.dropout)
+    # NHWC: oneDNN's and cuDNN's fast conv layouts (1.3× on the CPU step here, benchmarks/RESULTS.md)
+    return model.to(memory_format=torch.channels_last)
+
+
+def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: TrialConfig, epoch: int, rank: int,
+                    precision: str = "fp32") -> dict:
     """One pass over the rank's shard; returns on-device sums (no host sync inside)."""
     tc = trial.train
     accum = trial.knobs.grad_accum_steps
     device = shard.images.device
     plan = epoch_plan(len(shard), trial.steps_per_epoch * accum, tc.seed, epoch, rank)
     plan = [torch.from_numpy(idx).to(device, non_blocking=True) for idx in plan]
-    autocast = _autocast(device, tc.precision)
+    autocast = _autocast(device, precision)
     max_norm = tc.grad_clip if tc.grad_clip is not None else math.inf
     params = [p for p in model.parameters() if p.requires_grad]
     zero = torch.zeros((), device=device, dtype=torch.float64)
@@ -194,7 +234,7 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
 
 
 @torch.no_grad()
-def evaluate(model, shard: Shard, loss_fn, trial: TrialConfig) -> dict:
+def evaluate(model, shard: Shard, loss_fn, trial: TrialConfig, precision: str = "fp32") -> dict:
     """Sums over the rank's validation shard: loss × n, exact matches, right characters."""
     model.eval()
     device = shard.images.device
@@ -202,7 +242,7 @@ def evaluate(model, shard: Shard, loss_fn, trial: TrialConfig) -> dict:
     zero = torch.zeros((), device=device, dtype=torch.float64)
     loss_sum, exact, chars = zero.clone(), zero.clone(), zero.clone()
     batch = trial.knobs.per_gpu_batch_size
-    with _autocast(device, trial.train.precision):
+    with _autocast(device, precision):
         for start in range(0, len(shard), batch):
             idx = torch.arange(start, min(start + batch, len(shard)), device=device)
             x, y = shard.batch(idx)

@@ -72,3 +72,52 @@ def test_accumulation_keeps_global_batch_and_step_count():
     assert one.global_batch_size == two.global_batch_size == 32
     assert one.steps_per_epoch == two.steps_per_epoch == 3
     assert one.peak_lr == two.peak_lr
+
+
+def test_fast_loop_and_seed_loop_compute_the_same_loss_on_the_same_batch(tmp_path):
+    import sys
+
+    from conftest import ROOT
+    from raysweep.data import read_folder, write_captcha_folder
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from seed_loop import PngCaptchas, copy_weights, seed_model, train_steps
+
+    charset = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    write_captcha_folder(tmp_path, 32, charset, 4, 64, 24)
+    trial = TrialConfig(
+        knobs=Knobs(per_gpu_batch_size=32, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4, grad_accum_steps=1,
+                    lr_rule="none"),
+        train=TrainConfig(epochs=1, min_lr=1e-3), model=ModelConfig(dropout=0.0), scaling=ScalingConfig(num_workers=1),
+        image=ImageSpec(width=64, height=24, length=4, num_classes=36), train_size=32,
+    )
+    torch.manual_seed(0)
+    ours = CaptchaCNN(24, 64, 4, 36, dropout=0.0)
+    seed = seed_model(24, 64, 4, 36, dropout=0.0)
+    copy_weights(ours, seed)
+    ours = ours.to(memory_format=torch.channels_last)
+
+    loader = torch.utils.data.DataLoader(PngCaptchas(tmp_path, charset), batch_size=32)
+    seed_loss = train_steps(seed, loader, steps=1)[0]  # PIL per sample, fp32, .item() per step
+
+    shard = Shard.build(read_folder(tmp_path, charset, 4, 64, 24, progress=False), 0, 1, 36, torch.device("cpu"))
+    opt = build_optimizer(ours, 1e-3, 1e-4, "cpu")
+    sums = train_one_epoch(ours, shard, opt, build_scheduler(opt, 1e-3, 1e-3, 0, 1), torch.amp.GradScaler("cpu", enabled=False),
+                           torch.nn.MultiLabelSoftMarginLoss(), trial, epoch=1, rank=0)
+    # one batch of all 32 images (order differs, the mean and BatchNorm's statistics do not)
+    assert float(sums["train_loss_sum"]) / 32 == pytest.approx(seed_loss, rel=1e-5)
+
+
+def test_compile_trains_on_cpu():
+    rng = np.random.default_rng(0)
+    arrays = CaptchaArrays(rng.integers(0, 255, (64, 24, 64), dtype=np.uint8), rng.integers(0, 36, (64, 4), dtype=np.uint8))
+    trial = _trial(batch=32, n=64)
+    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = torch.compile(CaptchaCNN(24, 64, 4, 36, dropout=0.5).to(memory_format=torch.channels_last))
+    opt = build_optimizer(model, trial.peak_lr, 0.0, "cpu")
+    sched = build_scheduler(opt, trial.peak_lr, 1e-6, 0, trial.total_steps)
+    loss_fn = torch.nn.MultiLabelSoftMarginLoss()
+    losses = [float(train_one_epoch(model, shard, opt, sched, torch.amp.GradScaler("cpu", enabled=False), loss_fn,
+                                    trial, epoch, 0)["train_loss_sum"]) / 64 for epoch in (1, 2, 3)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -1,14 +1,20 @@
+import sys
+
+import pytest
 import torch
 
-from raysweep.model import CaptchaCNN
+from conftest import ROOT
+from raysweep.model import CaptchaCNN, keep_mask
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from seed_loop import copy_weights, seed_model  # noqa: E402
 
 
 def test_output_shape_and_flat_size_from_image_size():
     for h, w, flat in ((60, 160, 64 * 7 * 20), (24, 64, 64 * 3 * 8)):
         model = CaptchaCNN(h, w, length=4, num_classes=36, dropout=0.5)
-        assert model.head[1].in_features == flat
-        out = model(torch.rand(2, 1, h, w))
-        assert out.shape == (2, 4 * 36)
+        assert model.fc1.in_features == flat
+        assert model(torch.rand(2, 1, h, w)).shape == (2, 4 * 36)
 
 
 def test_architecture_is_three_blocks_then_two_linears():
@@ -16,7 +22,64 @@ def test_architecture_is_three_blocks_then_two_linears():
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
         (1, 32, (3, 3), (1, 1)), (32, 64, (3, 3), (1, 1)), (64, 64, (3, 3), (1, 1))]
-    block = [type(m).__name__ for m in model.features[0]]
-    assert block == ["Conv2d", "BatchNorm2d", "Dropout", "ReLU", "MaxPool2d"]
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert [(lin.out_features) for lin in linears] == [1024, 4 * 36]
+    assert [(m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)] == [1024, 4 * 36]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in seed_model(60, 160, 4, 36).parameters())
+
+
+def _pair(dropout, channels_last):
+    torch.manual_seed(0)
+    ours = CaptchaCNN(24, 64, 4, 36, dropout)
+    seed = seed_model(24, 64, 4, 36, dropout)
+    copy_weights(ours, seed)
+    if channels_last:
+        ours = ours.to(memory_format=torch.channels_last)
+    return ours, seed
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_same_function_and_gradients_as_the_seed_model_under_the_same_masks(channels_last):
+    """Our fused dropout+ReLU (scale after the pool) equals nn.Dropout → nn.ReLU given the same masks."""
+    ours, seed = _pair(0.5, channels_last)
+    x = torch.rand(8, 1, 24, 64)
+    masks = []  # our model draws its masks through keep_mask: record them, replay them in the seed's
+    import raysweep.model as model_module
+
+    real = model_module.keep_mask
+    model_module.keep_mask = lambda t, p: (lambda k: (masks.append(k), k)[1])(real(t, p))
+    try:
+        out_ours = ours(x)
+    finally:
+        model_module.keep_mask = real
+    replay = iter(masks)
+    hooks = [m.register_forward_hook(lambda mod, a, o: o * next(replay).to(o.dtype) * 2.0)
+             for m in seed if isinstance(m, torch.nn.Dropout)]
+    for m in seed:
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # identity; the hook applies the recorded mask and the 1/(1-p) scale
+    out_seed = seed(x)
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(out_ours, out_seed, rtol=1e-5, atol=1e-5)
+    out_ours.square().mean().backward()
+    out_seed.square().mean().backward()
+    for a, b in zip(ours.parameters(), seed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_eval_mode_matches_the_seed_model_exactly():
+    ours, seed = _pair(0.5, True)
+    ours.eval(), seed.eval()
+    x = torch.rand(4, 1, 24, 64)
+    torch.testing.assert_close(ours(x), seed(x))
+
+
+@pytest.mark.parametrize("p", [0.5, 0.1, 0.25])
+def test_keep_mask_rate_and_layout(p):
+    torch.manual_seed(1)
+    x = torch.empty(64, 32, 30, 40).to(memory_format=torch.channels_last)
+    keep = keep_mask(x, p)
+    assert keep.shape == x.shape and keep.stride() == x.stride() and keep.dtype == torch.bool
+    n = keep.numel()  # 2.5 M draws: 5 standard deviations is under 0.0016
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * ((p * (1 - p) / n) ** 0.5)
+    torch.manual_seed(1)
+    assert torch.equal(keep_mask(x, p), keep)  # replays under the same seed

@@ -1,0 +1,164 @@
+"""raysweep's training step against the seeds' loop, side by side, on the same model, PNGs and batch size.
+
+Seed: a Dataset opening each PNG with PIL per sample, a DataLoader (num_workers 0 and 2), fp32, the
+plain nn.Sequential model with nn.Dropout, `.item()` every step (benchmarks/seed_loop.py).
+raysweep: images decoded once into uint8 arrays, batches sliced from them, channels_last, cheap fused
+dropout, fused AdamW, no per-step sync, freed memory kept in the heap (raysweep/train_loop.py).
+
+Every measurement runs in a fresh process (so the seed keeps glibc's default allocator), the
+configurations alternate within each repetition, and the table shows medians of steady-state
+images/s (a warm-up step first). Last line: RESULT loop_vs_seed ratio=<raysweep ÷ best seed at the
+largest batch>.
+
+    python benchmarks/loop_vs_seed.py            # batch 64 and 512, 160×60, 3 repetitions
+    python benchmarks/loop_vs_seed.py --quick    # seconds: tiny images, for CI
+    python benchmarks/loop_vs_seed.py --profile  # also print torch.profiler's table of raysweep's step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHARSET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def measure_seed(folder: str, batch: int, steps: int, num_workers: int, height: int, width: int) -> float:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from seed_loop import PngCaptchas, seed_model, train_steps
+
+    torch.manual_seed(0)
+    model = seed_model(height, width, 4, len(CHARSET))
+    loader = torch.utils.data.DataLoader(PngCaptchas(folder, CHARSET), batch_size=batch, shuffle=True,
+                                         num_workers=num_workers, drop_last=True, persistent_workers=num_workers > 0)
+    train_steps(model, loader, steps=1)  # warm-up (and DataLoader worker start)
+    t0 = time.perf_counter()
+    train_steps(model, loader, steps=steps)
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: int, profile: bool = False) -> float:
+    import torch
+
+    from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
+    from raysweep.data import read_folder
+    from raysweep.optim import build_optimizer, build_scheduler
+    from raysweep.train_loop import Shard, build_model, keep_freed_memory_in_heap, train_one_epoch
+
+    keep_freed_memory_in_heap()  # what every raysweep worker does first
+    arrays = read_folder(Path(folder), CHARSET, 4, width, height, progress=False)  # decoded once, outside the loop
+
+    def trial(n_steps):
+        return TrialConfig(
+            knobs=Knobs(per_gpu_batch_size=batch, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4,
+                        grad_accum_steps=1, lr_rule="none"),
+            train=TrainConfig(epochs=2, precision="fp32"), model=ModelConfig(dropout=0.5),
+            scaling=ScalingConfig(num_workers=1),
+            image=ImageSpec(width=width, height=height, length=4, num_classes=len(CHARSET)), train_size=batch * n_steps,
+        )
+
+    timed = trial(steps)
+    shard = Shard.build(arrays, 0, 1, len(CHARSET), torch.device("cpu"))
+    torch.manual_seed(0)
+    model = build_model(timed)
+    opt = build_optimizer(model, 1e-3, 1e-4, "cpu")
+    sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss_fn = torch.nn.MultiLabelSoftMarginLoss()
+    train_one_epoch(model, shard, opt, sched, scaler, loss_fn, trial(1), 1, 0)  # warm-up step
+    t0 = time.perf_counter()
+    sums = train_one_epoch(model, shard, opt, sched, scaler, loss_fn, timed, 2, 0)
+    float(sums["train_loss_sum"])  # the epoch's one sync
+    rate = batch * steps / (time.perf_counter() - t0)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            train_one_epoch(model, shard, opt, sched, scaler, loss_fn, trial(1), 3, 0)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
+    return rate
+
+
+def run_child(args: list[str]) -> float:
+    """One measurement in a fresh interpreter; returns images/s."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measurement {args} failed:\n{proc.stderr[-3000:]}")
+    if proc.stderr.strip() and "--profile" in args:
+        print(proc.stderr, file=sys.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["images_per_s"]
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one repetition (CI)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
+    a, rest = p.parse_known_args()
+    if a.child is not None:
+        kind, folder, batch, steps, workers, height, width = a.child[:7]
+        batch, steps, workers, height, width = int(batch), int(steps), int(workers), int(height), int(width)
+        if kind == "seed":
+            rate = measure_seed(folder, batch, steps, workers, height, width)
+        else:
+            rate = measure_raysweep(folder, batch, steps, height, width, profile="--profile" in sys.argv)
+        print(json.dumps({"images_per_s": rate}))
+        return 0
+
+    sys.path.insert(0, str(HERE.parent))
+    from raysweep.data import write_captcha_folder
+
+    if a.quick:
+        height, width, batches, repeats = 24, 64, {8: 2, 16: 2}, 1
+    else:
+        height, width, batches, repeats = 60, 160, {64: 8, 512: 2}, a.repeats
+    configs = [(kind, b, nw) for b in batches for kind, nw in (("seed", 0), ("seed", 2), ("raysweep", 0))]
+    with tempfile.TemporaryDirectory() as tmp:
+        n_images = max(b * (s + 1) for b, s in batches.items())
+        write_captcha_folder(Path(tmp), n_images, CHARSET, 4, width, height)
+        rates: dict[tuple, list[float]] = {c: [] for c in configs}
+        for rep in range(repeats):
+            for kind, b, nw in configs:  # alternate within each repetition
+                extra = ["--profile"] if (a.profile and kind == "raysweep" and rep == 0 and b == max(batches)) else []
+                rates[(kind, b, nw)].append(run_child([kind, tmp, str(b), str(batches[b]), str(nw), str(height), str(width), *extra]))
+                print(f"  rep {rep + 1}/{repeats} {kind:8s} batch {b:4d} workers {nw}: {rates[(kind, b, nw)][-1]:8.1f} images/s",
+                      file=sys.stderr, flush=True)
+    print(f"loop_vs_seed on {machine()}; images {width}×{height}, medians of {repeats} alternating repetitions")
+    print(f"{'loop':10s} {'batch':>6s} {'loader workers':>15s} {'images/s':>10s} {'vs best seed':>13s}")
+    ratio = 0.0
+    for b in batches:
+        best_seed = max(statistics.median(rates[("seed", b, nw)]) for nw in (0, 2))
+        for kind, bb, nw in configs:
+            if bb != b:
+                continue
+            med = statistics.median(rates[(kind, b, nw)])
+            print(f"{kind:10s} {b:6d} {nw if kind == 'seed' else '-':>15} {med:10.1f} {med / best_seed:12.2f}×")
+            if kind == "raysweep":
+                ratio = med / best_seed
+    print(f"RESULT loop_vs_seed ratio={ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
