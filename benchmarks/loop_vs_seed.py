@@ -3,9 +3,10 @@
 Seed: a Dataset opening each PNG with PIL per sample, a DataLoader (num_workers 0 and 2), fp32, the
 plain nn.Sequential model with nn.Dropout, `.item()` every step (benchmarks/seed_loop.py).
 raysweep: images decoded once into uint8 arrays, batches sliced from them, channels_last, cheap fused
-dropout, fused AdamW, no per-step sync, freed memory kept in the heap (raysweep/train_loop.py).
+dropout, fused AdamW, no per-step sync, and the host-memory setup of a raysweep CPU worker
+(huge pages, large blocks kept in the heap: raysweep/train_loop.py, worker_env and keep_host_memory).
 
-Every measurement runs in a fresh process (so the seed keeps glibc's default allocator), the
+Every measurement runs in a fresh process (the seed's with the default environment), the
 configurations alternate within each repetition, and the table shows medians of steady-state
 images/s (a warm-up step first). Last line: RESULT loop_vs_seed ratio=<raysweep ÷ best seed at the
 largest batch>.
@@ -52,11 +53,11 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
     import torch
 
     from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
-    from raysweep.data import read_folder
+    from raysweep.data import CaptchaArrays, read_folder
     from raysweep.optim import build_optimizer, build_scheduler
-    from raysweep.train_loop import Shard, build_model, keep_freed_memory_in_heap, train_one_epoch
+    from raysweep.train_loop import Shard, build_model, keep_host_memory, train_one_epoch
 
-    keep_freed_memory_in_heap()  # what every raysweep worker does first
+    keep_host_memory(torch.device("cpu"))  # what a raysweep CPU worker does first
     arrays = read_folder(Path(folder), CHARSET, 4, width, height, progress=False)  # decoded once, outside the loop
 
     def trial(n_steps):
@@ -68,17 +69,21 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
             image=ImageSpec(width=width, height=height, length=4, num_classes=len(CHARSET)), train_size=batch * n_steps,
         )
 
+    def shard(n_steps):  # exactly batch × steps images: every micro-batch is `batch`
+        n = batch * n_steps
+        return Shard.build(CaptchaArrays(arrays.images[:n], arrays.labels[:n]), 0, 1, len(CHARSET), torch.device("cpu"))
+
     timed = trial(steps)
-    shard = Shard.build(arrays, 0, 1, len(CHARSET), torch.device("cpu"))
     torch.manual_seed(0)
     model = build_model(timed)
     opt = build_optimizer(model, 1e-3, 1e-4, "cpu")
     sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * steps)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     loss_fn = torch.nn.MultiLabelSoftMarginLoss()
-    train_one_epoch(model, shard, opt, sched, scaler, loss_fn, trial(1), 1, 0)  # warm-up step
+    train_one_epoch(model, shard(1), opt, sched, scaler, loss_fn, trial(1), 1, 0)  # warm-up step
+    timed_shard = shard(steps)
     t0 = time.perf_counter()
-    sums = train_one_epoch(model, shard, opt, sched, scaler, loss_fn, timed, 2, 0)
+    sums = train_one_epoch(model, timed_shard, opt, sched, scaler, loss_fn, timed, 2, 0)
     float(sums["train_loss_sum"])  # the epoch's one sync
     rate = batch * steps / (time.perf_counter() - t0)
     if profile:
@@ -86,14 +91,18 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            train_one_epoch(model, shard, opt, sched, scaler, loss_fn, trial(1), 3, 0)
+            train_one_epoch(model, shard(1), opt, sched, scaler, loss_fn, trial(1), 3, 0)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
     return rate
 
 
 def run_child(args: list[str]) -> float:
     """One measurement in a fresh interpreter; returns images/s."""
+    from raysweep.train_loop import worker_env
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    if args[0] == "raysweep":
+        env.update(worker_env())  # what a raysweep worker process starts with
     proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"measurement {args} failed:\n{proc.stderr[-3000:]}")
@@ -132,7 +141,7 @@ def main() -> int:
     if a.quick:
         height, width, batches, repeats = 24, 64, {8: 2, 16: 2}, 1
     else:
-        height, width, batches, repeats = 60, 160, {64: 8, 512: 2}, a.repeats
+        height, width, batches, repeats = 60, 160, {64: 8, 512: 3}, a.repeats
     configs = [(kind, b, nw) for b in batches for kind, nw in (("seed", 0), ("seed", 2), ("raysweep", 0))]
     with tempfile.TemporaryDirectory() as tmp:
         n_images = max(b * (s + 1) for b, s in batches.items())

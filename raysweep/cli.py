@@ -27,10 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep from storage_path")
     p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
+    p.add_argument("--cap-batch", type=int, default=None, metavar="N",
+                   help="per-GPU batches above N run as micro-batches ≤ N with more accumulation (same global batch)")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("train", help="run one trial at the spec's defaults (searched knobs at their default:)")
     _common(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("probe", help="find the largest per-GPU batch that fits, under the spec's real scaling")
+    _common(p)
+    p.add_argument("--start", type=int, default=8, help="first per-GPU batch tried (then doubling, then bisection)")
+    p.add_argument("--max-batch", type=int, default=65536, help="stop doubling here")
+    p.add_argument("--margin", type=float, default=0.1, help="share of device memory kept free in the recommendation")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="CPU workers: a batch fits only if its peak RSS stays under this (CPU has no allocator limit)")
+    p.set_defaults(func=cmd_probe)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     p.add_argument("spec")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -43,8 +53,10 @@ def cmd_tune(args) -> int:
     from raysweep.config import load_config
 
     config = load_config(args.spec, args.overrides)
+    if args.cap_batch is not None and args.cap_batch < 1:
+        raise UserError(f"--cap-batch {args.cap_batch}: expected a positive per-GPU batch size")
     return sweep.run(config, address=args.address, resume=args.resume, verbose=args.verbose,
-                     progress_every_s=args.progress_every)
+                     progress_every_s=args.progress_every, cap_batch=args.cap_batch)
 
 
 def cmd_train(args) -> int:
@@ -53,6 +65,15 @@ def cmd_train(args) -> int:
 
     config = load_config(args.spec, args.overrides)
     return sweep.run(config, single=True, address=args.address, verbose=args.verbose)
+
+
+def cmd_probe(args) -> int:
+    from raysweep import probe
+    from raysweep.config import load_config
+
+    config = load_config(args.spec, args.overrides)
+    return probe.run(config, address=args.address, start=args.start, max_batch=args.max_batch, margin=args.margin,
+                     max_memory_gb=args.max_memory_gb, verbose=args.verbose)
 
 
 def cmd_check(args) -> int:

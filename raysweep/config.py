@@ -46,6 +46,9 @@ class Choice(_Section, Generic[T]):
 
     choice: list[T] = Field(min_length=1, description="candidate values")
     default: T | None = Field(None, description="value for `train` and the first tune trial")
+    max: PosInt | Literal["probe"] | None = Field(
+        None, description="per_gpu_batch_size only: larger samples run as max × more accumulation; probe → measure it"
+    )
 
     @model_validator(mode="after")
     def _default_in_choices(self):
@@ -107,6 +110,7 @@ class RandInt(_Range):
 
     randint: tuple[Int, Int]
     default: Int | None = None
+    max: PosInt | Literal["probe"] | None = None
 
     def bounds(self):
         return self.randint
@@ -216,6 +220,9 @@ class TrainConfig(_Section):
     grad_accum_steps: PosInt = Field(1, description="micro-batches per optimizer step")
     checkpoint_every: PosInt = Field(1, description="epochs between checkpoints (the last epoch always saves)")
     max_failures: NonNegInt = Field(1, description="worker-group restarts from the last checkpoint")
+    max_downshifts: NonNegInt = Field(
+        3, description="on OOM at start: halve the micro-batch, double accumulation, at most this often"
+    )
     seed: Int = Field(0, description="model init, shuffling and dropout seed")
 
 
@@ -228,6 +235,13 @@ class SearchConfig(_Section):
     weight_decay: Knob(NonNegFloat, "choice", "uniform", "loguniform") = Field(1.0e-4, description="AdamW decoupled decay")
     grad_accum_steps: Knob(PosInt, "choice", "randint") | None = Field(None, description="null → train.grad_accum_steps")
     lr_rule: Knob(LrRule, "choice") | None = Field(None, description="null → train.lr_rule")
+
+    @model_validator(mode="after")
+    def _max_only_on_batch(self):
+        for name, knob in self.knobs().items():
+            if name != "per_gpu_batch_size" and getattr(knob, "max", None) is not None:
+                raise ValueError(f"{name}: 'max' applies to per_gpu_batch_size only")
+        return self
 
     def knobs(self) -> dict[str, Any]:
         """The knobs that are set (fixed or searched), by name."""
@@ -315,12 +329,23 @@ class SweepConfig(_Section):
         """Every knob at its default (else first choice / lower bound): what `train` runs."""
         return {k: knob_first(v) for k, v in self.search.knobs().items()}
 
-    def trial(self, knobs: dict[str, Any], train_size: int) -> TrialConfig:
-        """One trial's full config from sampled knob values (Tune's flat dict)."""
+    @property
+    def batch_cap(self) -> int | str | None:
+        """`search.per_gpu_batch_size.max`: a number, "probe", or None."""
+        return getattr(self.search.per_gpu_batch_size, "max", None)
+
+    def trial(self, knobs: dict[str, Any], train_size: int, batch_cap: int | None = None) -> TrialConfig:
+        """One trial's full config from sampled knob values (Tune's flat dict).
+
+        A per-GPU batch above `batch_cap` runs as a micro-batch ≤ the cap × more accumulation steps:
+        the same global batch, so the same peak LR and schedule.
+        """
         values = {**self.default_knobs(), **knobs}
         values.setdefault("grad_accum_steps", self.train.grad_accum_steps)
         values.setdefault("lr_rule", self.train.lr_rule)
+        splits = 1 if batch_cap is None else -(-values["per_gpu_batch_size"] // batch_cap)
         return TrialConfig(
+            micro_splits=splits,
             knobs=Knobs(**values),
             train=self.train,
             model=self.model,
@@ -361,6 +386,7 @@ class TrialConfig(_Section):
     """What every rank of one trial needs; crosses the Ray boundary as `to_dict()`."""
 
     knobs: Knobs
+    micro_splits: PosInt = Field(1, description="micro-batches each per-GPU batch is cut into (memory cap, OOM)")
     train: TrainConfig
     model: ModelConfig
     scaling: ScalingConfig
@@ -399,6 +425,20 @@ class TrialConfig(_Section):
     @property
     def total_steps(self) -> int:
         return self.train.epochs * self.steps_per_epoch
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward/backward on one rank: the per-GPU batch cut into micro_splits."""
+        return -(-self.knobs.per_gpu_batch_size // self.micro_splits)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on one rank."""
+        return self.knobs.grad_accum_steps * self.micro_splits
+
+    def downshifted(self) -> TrialConfig:
+        """Half the micro-batch, twice the accumulation: the same global batch, LR and steps."""
+        return self.model_copy(update={"micro_splits": self.micro_splits * 2})
 
     def params(self) -> dict[str, Any]:
         """Every knob and derived value, flat: the MLflow params of a trial."""

@@ -134,6 +134,8 @@ class SweepContext:
     data_ref: Any  # ObjectRef of data.CaptchaData: decoded once per sweep, zero-copy on each node
     train_size: int
     train_storage: str  # absolute: Train runs live at <storage>/<name>/train/trial-<id>
+    worker_env: dict  # captured in the driver: trial actors do not see the driver's environment
+    batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
 
 
 def run_trial(knobs: dict, context: SweepContext) -> None:
@@ -141,13 +143,32 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raysweep.train_loop import make_trainer
+    from ray.train import TrainingFailedError
+
+    from raysweep.train_loop import failure_path, make_trainer, read_failure
 
     trial_id = tune.get_context().get_trial_id()
-    trial = context.config.trial(knobs, context.train_size)
+    trial = context.config.trial(knobs, context.train_size, context.batch_cap)
     # the name must come from the trial id: an existing (storage, name) resumes from its checkpoint
-    trainer = make_trainer(trial, context.data_ref, context.train_storage, f"trial-{trial_id}", [TuneReportCallback()])
-    trainer.fit()
+    name = f"trial-{trial_id}"
+    marker = failure_path(context.train_storage, name)
+    if os.path.exists(marker):
+        os.remove(marker)  # a restored trial tries again
+    trainer = make_trainer(trial, context.data_ref, context.train_storage, name, [TuneReportCallback()],
+                           env=context.worker_env)
+    try:
+        trainer.fit()
+    except TrainingFailedError as e:
+        if "OutOfMemoryError" in str(e):  # an OOM after the start-up probe: the same ending, retries spent
+            raise TrialFailed(f"OOM at per-GPU batch {trial.knobs.per_gpu_batch_size} during training") from e
+        raise
+    failure = read_failure(marker)
+    if failure is not None:  # agreed by every rank (OOM past the downshifts, divergence)
+        raise TrialFailed(str(failure))
+
+
+class TrialFailed(RuntimeError):
+    """Ends a trial as errored in Tune with a one-line reason (MLflow tags it failure=oom/diverged)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +295,7 @@ def make_console_callback(progress: ConsoleProgress):
 
 
 def run(config: SweepConfig, *, single: bool = False, address: str | None = None, resume: bool = False,
-        verbose: bool = False, progress_every_s: float = 30.0) -> int:
+        verbose: bool = False, progress_every_s: float = 30.0, cap_batch: int | None = None) -> int:
     """Run a sweep (or, with `single`, one trial at the defaults). Returns the exit code."""
     from raysweep import tracking
     from raysweep.data import load_data
@@ -294,10 +315,14 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         num_samples = 1 if single else config.tune.num_samples
         plan = plan_concurrency(ray.cluster_resources(), config, num_samples)  # before any work: fail fast
         print(f"plan: {plan.message}")
+        batch_cap = resolve_batch_cap(config, cap_batch)
         data = load_data(config.data)  # decoded once per sweep; trials get an object ref, never paths
         print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images "
               f"{config.data.width}×{config.data.height}, {config.data.length} characters of {config.data.num_classes}")
-        context = SweepContext(config, ray.put(data), len(data.train), str(experiment_path / "train"))
+        from raysweep.train_loop import worker_env
+
+        context = SweepContext(config, ray.put(data), len(data.train), str(experiment_path / "train"), worker_env(),
+                               batch_cap)
         del data
         experiment_id, parent_run_id = tracking.open_sweep(
             tracking_uri, config.experiment_name, run_name=f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}",
@@ -321,6 +346,24 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             import ray
 
             ray.shutdown()
+
+
+def resolve_batch_cap(config: SweepConfig, cap_batch: int | None) -> int | None:
+    """--cap-batch, else search.per_gpu_batch_size.max (a number, or `probe`: measured now)."""
+    cap = cap_batch if cap_batch is not None else config.batch_cap
+    if cap == "probe":
+        from raysweep.probe import probe
+
+        result = probe(config)
+        if result.recommended is None:
+            raise UserError(f"search.per_gpu_batch_size.max: probe found no per-GPU batch that fits "
+                            f"(from 8 up); see {result.path}")
+        cap = result.recommended
+        print(f"probe: largest per-GPU batch that fits {result.largest}, cap {cap} after the margin")
+    if cap is not None:
+        print(f"batch cap: per-GPU batches above {cap} run as micro-batches ≤ {cap} with more accumulation "
+              f"(same global batch and LR)")
+    return cap
 
 
 def _resumed_parent(tracking_uri: str, experiment_path: Path) -> tuple[str, str]:

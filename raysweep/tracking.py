@@ -116,8 +116,8 @@ class MLflowSweepCallback(_TuneCallback):
         step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
         metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
         params = []
-        if step == 1:  # known only on the workers
-            params = [Param(k, str(result[k])) for k in ("device_name", "precision_used") if k in result]
+        if step == 1:  # known only on the workers (after their start-up probe step)
+            params = [Param(k, str(result[k])) for k in WORKER_PARAMS if k in result]
         try:
             self.client.log_batch(run_id, metrics=metrics, params=params)
         except Exception:  # a re-logged param after a restart must never stop the sweep
@@ -135,8 +135,24 @@ class MLflowSweepCallback(_TuneCallback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         run_id = self._run_for(trial)
-        self.client.set_tag(run_id, "error", trial_error_line(trial)[:5000])
+        line = trial_error_line(trial)
+        self.client.set_tag(run_id, "error", line[:5000])
+        kind = failure_kind(line)
+        if kind:
+            self.client.set_tag(run_id, "failure", kind)
         self.client.set_terminated(run_id, status="FAILED")
+
+
+WORKER_PARAMS = ("device_name", "precision_used", "micro_batch_size", "accumulation_steps", "oom_downshifts")
+
+
+def failure_kind(error_line: str) -> str | None:
+    """MLflow's `failure` tag: oom or diverged, from the trial's error."""
+    if "OOM at per-GPU batch" in error_line or "OutOfMemoryError" in error_line:
+        return "oom"
+    if "diverged" in error_line:
+        return "diverged"
+    return None
 
 
 def trial_error_line(trial) -> str:

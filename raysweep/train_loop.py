@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "state.pt"
 GiB = 2**30
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOSS_FN = nn.MultiLabelSoftMarginLoss()  # mean over batch and classes, on one-hot targets
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -38,21 +39,87 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def keep_freed_memory_in_heap() -> bool:
-    """glibc: serve large tensors from the heap and keep them there once freed.
+def worker_env() -> dict[str, str]:
+    """Environment for a trial's worker processes (it must be in place when they start).
 
-    By default every allocation over 32 MB is a fresh mmap, page-faulted on first touch and unmapped
-    on free, so each step re-faults every activation: a 157 MB elementwise pass took 77 ms into new
-    memory and 13 ms into reused memory here (benchmarks/RESULTS.md). Returns False where it does not apply.
+    glibc backs large allocations with transparent huge pages: an activation over 32 MB is a fresh
+    mmap, faulted in 4 KiB pages on first touch (a 157 MB elementwise pass took 77 ms into new
+    memory, 13 ms into reused memory here); 2 MiB pages cut the faults 512×. On the CPU step at
+    batch 512: 48-52 → 65-69 images/s, same peak RSS. Plus the RAYSWEEP_TEST_* fault switches,
+    where set (tests only).
     """
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
+    env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
+    return env
+
+
+def _libc():
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def keep_host_memory(device: torch.device) -> bool:
+    """CPU workers: serve large tensors from glibc's heap and keep them there between steps.
+
+    Otherwise every activation over 32 MB is a fresh mmap, page-faulted on first touch and unmapped
+    when freed, every step. At batch 512 on this project's 2-core CPU the step ran 101-120 images/s
+    this way against 65-69 with huge pages alone, at a peak RSS of 6.6 GiB against 3.4 GiB
+    (benchmarks/RESULTS.md). `release_host_memory()` at each epoch's end bounds the heap.
+    GPU workers keep glibc's default: their activations live on the GPU.
+    """
+    libc = _libc()
+    if device.type != "cpu" or libc is None:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def release_host_memory() -> None:
+    """Give free heap pages back to the OS (once per epoch), so fragmentation cannot accumulate."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+class TrialFailure(Exception):
+    """A failure every rank agreed on (OOM past the downshifts, divergence): the trial ends, no retry."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class TestFaults:
+    """Test-only switches (CPU has no allocator limit, and NaNs are hard to provoke on purpose).
+
+    RAYSWEEP_TEST_OOM_ABOVE=N: the training step raises torch.OutOfMemoryError when the per-GPU
+    micro-batch exceeds N. RAYSWEEP_TEST_NAN_AT_STEP=K: the loss is NaN at optimizer step K (1-based).
+    Everything else on the path is the real one. They reach workers through `worker_env()`.
+    """
+
+    oom_above: int | None = None
+    nan_at_step: int | None = None
+
+    @classmethod
+    def from_env(cls) -> TestFaults:
+        def read(name):
+            value = os.environ.get(name)
+            return int(value) if value else None
+
+        return cls(read("RAYSWEEP_TEST_OOM_ABOVE"), read("RAYSWEEP_TEST_NAN_AT_STEP"))
+
+    def check_oom(self, micro_batch: int) -> None:
+        if self.oom_above is not None and micro_batch > self.oom_above:
+            raise torch.OutOfMemoryError(f"RAYSWEEP_TEST_OOM_ABOVE={self.oom_above}: micro-batch {micro_batch}")
+
+
+FAULTS = TestFaults.from_env()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,65 +187,146 @@ def train_worker(config: dict) -> None:
 
     trial = TrialConfig.from_dict(config["trial"])
     _quiet_ray_train_logs()
-    keep_freed_memory_in_heap()
-    data = ray.get(config["data"])  # zero-copy from the node's object store
     ctx = ray.train.get_context()
-    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    rank = ctx.get_world_rank()
+    data = ray.get(config["data"])  # zero-copy from the node's object store
     device = ray.train.torch.get_device()
-    tc, img = trial.train, trial.image
-
-    torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-    model = build_model(trial)
-    model = ray.train.torch.prepare_model(model)  # to device; DDP only when world_size > 1
-    core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    if tc.compile:
-        model = torch.compile(model)  # after DDP wrapping, so DDP's bucketing sees the compiled graph
-    optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
-    scheduler = build_scheduler(optimizer, trial.peak_lr, tc.min_lr, trial.warmup_steps, trial.total_steps)
-    precision = resolve_precision(tc.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-    start_epoch, samples_seen = 1, 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
-        core.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, samples_seen = state["epoch"] + 1, state["samples_seen"]
-        if rank == 0:
-            log.info("resumed from checkpoint at epoch %d", state["epoch"])
-
-    train = Shard.build(data.train, rank, world_size, img.num_classes, device)
-    val = Shard.build(data.val, rank, world_size, img.num_classes, device)
+    keep_host_memory(device)
+    run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device,
+                            wrap=ray.train.torch.prepare_model)  # to device; DDP only when world_size > 1
     del data
-    loss_fn = nn.MultiLabelSoftMarginLoss()
-
-    for epoch in range(start_epoch, tc.epochs + 1):
-        # a fresh, epoch-derived seed: dropout and shuffling replay exactly after a resume
-        torch.manual_seed(hash((tc.seed, epoch, rank)) & 0x7FFF_FFFF)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        sums = train_one_epoch(model, train, optimizer, scheduler, scaler, loss_fn, trial, epoch, rank, precision)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # once per epoch: make the timing honest
-        train_time = time.perf_counter() - t0
-        sums.update(evaluate(core, val, loss_fn, trial, precision))
-        metrics = reduce_metrics(sums, train_time, time.perf_counter() - t0, device)
-        samples_seen += int(metrics.pop("train_samples"))
-        metrics.update(epoch=epoch, samples_seen=samples_seen, lr=scheduler.get_last_lr()[0])
+    start_epoch = run.restore(ray.train.get_checkpoint())
+    try:
+        run.fit_in_memory()
+        for epoch in range(start_epoch, trial.train.epochs + 1):
+            metrics = run.epoch(epoch)
+            due = epoch % trial.train.checkpoint_every == 0 or epoch == trial.train.epochs
+            report(metrics, rank, due, lambda: run.state(epoch))
+    except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         if rank == 0:
-            metrics["device_name"] = _device_name(device)
-            metrics["precision_used"] = precision
+            write_failure(config["failure_file"], failure)
 
-        due = epoch % tc.checkpoint_every == 0 or epoch == tc.epochs
-        report(metrics, rank, due, lambda: {
-            "model": core.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "epoch": epoch, "samples_seen": samples_seen,
-        })
+
+def failure_path(storage_path: str, name: str) -> str:
+    """Where rank 0 leaves an agreed failure for the trial function (the run's own directory)."""
+    return os.path.join(storage_path, name, "raysweep_failure.json")
+
+
+def write_failure(path: str, failure: TrialFailure) -> None:
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"kind": failure.kind, "message": str(failure)}, f)
+
+
+def read_failure(path: str) -> TrialFailure | None:
+    import json
+
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    return TrialFailure(data["kind"], data["message"])
+
+
+@dataclass
+class TrainingRun:
+    """One rank's model, optimizer, schedule and data; `epoch()` trains, evaluates and reduces."""
+
+    trial: TrialConfig
+    model: nn.Module  # what the step calls: DDP-wrapped and/or compiled
+    core: nn.Module  # the plain module: evaluation and checkpoints
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    precision: str
+    train: Shard
+    val: Shard
+    rank: int
+    device: torch.device
+    samples_seen: int = 0
+    downshifts: int = 0
+
+    @classmethod
+    def build(cls, trial: TrialConfig, data, rank: int, world_size: int, device: torch.device, wrap=None) -> TrainingRun:
+        tc = trial.train
+        torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
+        model = build_model(trial)
+        model = wrap(model) if wrap is not None else model.to(device)
+        core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        if tc.compile:
+            model = torch.compile(model)  # after DDP wrapping, so DDP's bucketing sees the compiled graph
+        optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
+        scheduler = build_scheduler(optimizer, trial.peak_lr, tc.min_lr, trial.warmup_steps, trial.total_steps)
+        precision = resolve_precision(tc.precision, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        classes = trial.image.num_classes
+        return cls(trial, model, core, optimizer, scheduler, scaler, precision,
+                   Shard.build(data.train, rank, world_size, classes, device),
+                   Shard.build(data.val, rank, world_size, classes, device), rank, device)
+
+    def restore(self, checkpoint) -> int:
+        """Load a Ray Train checkpoint if there is one; returns the epoch to start at."""
+        if checkpoint is None:
+            return 1
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=self.device, weights_only=True)
+        self.core.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.samples_seen = state["samples_seen"]
+        if self.rank == 0:
+            log.info("resumed from checkpoint at epoch %d", state["epoch"])
+        return state["epoch"] + 1
+
+    def fit_in_memory(self) -> None:
+        """One probe step at the trial's micro-batch on every rank before training; on OOM halve the
+        micro-batch and double accumulation (same global batch and LR), at most max_downshifts times."""
+        for shift in range(self.trial.train.max_downshifts + 1):
+            micro = self.trial.micro_batch_size
+            if probe_step(self.core, self.optimizer, self.scaler, self.trial, micro, self.device, self.precision)["fits"]:
+                if shift and self.rank == 0:
+                    log.warning("OOM at micro-batch %d: running %d × %d", 2 * micro, micro, self.trial.accumulation_steps)
+                return
+            if shift == self.trial.train.max_downshifts or micro == 1:
+                break
+            self.trial = self.trial.downshifted()
+            self.downshifts += 1
+        raise TrialFailure("oom", f"OOM at per-GPU batch {self.trial.knobs.per_gpu_batch_size} "
+                                  f"(micro-batch {micro} after {self.downshifts} downshifts)")
+
+    def state(self, epoch: int) -> dict:
+        return {"model": self.core.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "epoch": epoch,
+                "samples_seen": self.samples_seen}
+
+    def epoch(self, epoch: int) -> dict:
+        """Train one epoch, evaluate, reduce across ranks: the epoch's metrics (DESIGN.md names)."""
+        cuda = self.device.type == "cuda"
+        # a fresh, epoch-derived seed: dropout and shuffling replay exactly after a resume
+        torch.manual_seed(hash((self.trial.train.seed, epoch, self.rank)) & 0x7FFF_FFFF)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        sums = train_one_epoch(self.model, self.train, self.optimizer, self.scheduler, self.scaler,
+                               LOSS_FN, self.trial, epoch, self.rank, self.precision)
+        if cuda:
+            torch.cuda.synchronize(self.device)  # once per epoch: make the timing honest
+        train_time = time.perf_counter() - t0
+        sums.update(evaluate(self.core, self.val, LOSS_FN, self.trial, self.precision))
+        metrics = reduce_metrics(sums, train_time, time.perf_counter() - t0, self.device)
+        self.samples_seen += int(metrics.pop("train_samples"))
+        metrics.update(epoch=epoch, samples_seen=self.samples_seen, lr=self.scheduler.get_last_lr()[0],
+                       micro_batch_size=self.trial.micro_batch_size, accumulation_steps=self.trial.accumulation_steps,
+                       oom_downshifts=self.downshifts)
+        if self.rank == 0:
+            metrics["device_name"] = _device_name(self.device)
+            metrics["precision_used"] = self.precision
+        if not cuda:
+            release_host_memory()
+        return metrics
 
 
 def build_model(trial: TrialConfig) -> nn.Module:
@@ -192,9 +340,13 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
                     precision: str = "fp32") -> dict:
     """One pass over the rank's shard; returns on-device sums (no host sync inside)."""
     tc = trial.train
-    accum = trial.knobs.grad_accum_steps
+    accum = trial.accumulation_steps
     device = shard.images.device
-    plan = epoch_plan(len(shard), trial.steps_per_epoch * accum, tc.seed, epoch, rank)
+    num_batches = trial.steps_per_epoch * accum
+    if len(shard) > (trial.micro_batch_size + 1) * num_batches:
+        raise ValueError(f"a shard of {len(shard)} samples is more than {num_batches} micro-batches of "
+                         f"{trial.micro_batch_size}: train_size {trial.train_size} does not describe this data")
+    plan = epoch_plan(len(shard), num_batches, tc.seed, epoch, rank)
     plan = [torch.from_numpy(idx).to(device, non_blocking=True) for idx in plan]
     autocast = _autocast(device, precision)
     max_norm = tc.grad_clip if tc.grad_clip is not None else math.inf
@@ -203,11 +355,16 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
     loss_sum, grad_norm_sum, clipped = zero.clone(), zero.clone(), zero.clone()
     grad_norm_max = torch.zeros((), device=device, dtype=torch.float32)
     samples = 0
+    watch = DivergenceWatch(device)
 
     model.train()
+    fp16 = scaler.is_enabled()
+    distributed = dist.is_available() and dist.is_initialized()
     for step in range(trial.steps_per_epoch):
+        step_loss = zero.clone()
         for micro in range(accum):
             idx = plan[step * accum + micro]
+            FAULTS.check_oom(trial.micro_batch_size)
             x, y = shard.batch(idx)
             # DDP all-reduces gradients in backward; skip it on all but the last micro-step
             sync = micro == accum - 1 or not hasattr(model, "no_sync")
@@ -215,11 +372,23 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
                 with autocast:
                     logits = model(x)
                 loss = loss_fn(logits.float(), y)
+                if FAULTS.nan_at_step == scheduler.last_epoch + 1:
+                    loss = loss * float("nan")
                 scaler.scale(loss / accum).backward()
             loss_sum += loss.detach() * len(idx)
+            step_loss += loss.detach()
             samples += len(idx)
         scaler.unscale_(optimizer)  # clip and log the true norm, not the fp16-scaled one
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # the norm is of the all-reduced gradients: every rank sees the same value and stops together
+        bad = ~torch.isfinite(norm)
+        if fp16:  # the scaler skips overflowing steps by design: there, a non-finite loss is divergence
+            bad = ~torch.isfinite(step_loss)
+            if distributed:  # losses are per rank: agree (read a step late on GPUs, like the rest)
+                bad = bad.float()
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                bad = bad > 0
+        watch.check(bad, epoch, scheduler.last_epoch + 1)
         grad_norm_sum += norm
         grad_norm_max = torch.maximum(grad_norm_max, norm.float())
         clipped += norm > max_norm
@@ -227,10 +396,131 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+    watch.finish(epoch)
     return {
         "train_loss_sum": loss_sum, "train_samples": samples, "grad_norm_sum": grad_norm_sum,
         "clipped_steps": clipped, "optimizer_steps": trial.steps_per_epoch, "grad_norm_max": grad_norm_max,
     }
+
+
+class DivergenceWatch:
+    """Ends the trial on a non-finite step (gradient norm; loss under fp16) without a host sync per step on a GPU.
+
+    CPU: the value is already on the host, checked at once. CUDA: each step's flag is copied to
+    pinned memory behind the step and read one step later (after the next step is queued), so the
+    GPU never idles; a divergence is caught at most one step late, identically on every rank.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending = None  # (host flag, event, epoch, step) of the previous step (CUDA)
+        if self.cuda:
+            self.host = torch.zeros((), dtype=torch.bool).pin_memory()
+
+    def check(self, bad: torch.Tensor, epoch: int, step: int) -> None:
+        """`bad`: a bool tensor, identical on every rank."""
+        if not self.cuda:
+            if bad:
+                raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {epoch}, step {step}")
+            return
+        self.finish(epoch)
+        self.host.copy_(bad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending = (event, epoch, step)
+
+    def finish(self, epoch: int) -> None:
+        if self.cuda and self.pending is not None:
+            event, at_epoch, step = self.pending
+            event.synchronize()
+            self.pending = None
+            if bool(self.host):
+                raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {at_epoch}, step {step}")
+
+
+def probe_step(model: nn.Module, optimizer, scaler, trial: TrialConfig, micro_batch: int, device: torch.device,
+               precision: str) -> dict:
+    """One full step (forward, backward, optimizer) at `micro_batch` on random data; model and
+    optimizer left as they were. Every rank agrees on the outcome: OOM anywhere is OOM everywhere.
+
+    Runs on the unwrapped module, so the step issues no collective that an OOM could leave half-
+    joined; the only collective is the all-reduce of the outcome, which every rank reaches.
+    """
+    import psutil
+
+    img = trial.image
+    cuda = device.type == "cuda"
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}  # BN buffers too
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    rss = RssSampler() if not cuda else None
+    oom = False
+    t0 = time.perf_counter()
+    try:
+        FAULTS.check_oom(micro_batch)
+        x = torch.randint(0, 256, (micro_batch, 1, img.height, img.width), dtype=torch.uint8, device=device)
+        x = x.float().div_(255.0).contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(0, img.num_classes, (micro_batch, img.length), device=device)
+        y = nn.functional.one_hot(labels, img.num_classes).flatten(1).float()
+        model.train()
+        with _autocast(device, precision):
+            logits = model(x)
+        scaler.scale(LOSS_FN(logits.float(), y)).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), trial.train.grad_clip or math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        if cuda:
+            torch.cuda.synchronize(device)
+    except torch.OutOfMemoryError:
+        oom = True
+    finally:
+        x = y = logits = labels = None  # noqa: F841 - drop the step's tensors before measuring again
+        optimizer.zero_grad(set_to_none=True)
+    step_time = time.perf_counter() - t0
+    peak_rss = rss.stop() if rss else psutil.Process().memory_info().rss
+    model.load_state_dict(snapshot)
+    optimizer.state.clear()  # the probe's moments must not leak into training
+    if cuda:
+        alloc, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.empty_cache()
+    else:
+        alloc = reserved = 0
+        total = psutil.virtual_memory().total
+    outcome = torch.tensor([float(oom), alloc / GiB, reserved / GiB, peak_rss / GiB, step_time, total / GiB],
+                           dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(outcome, op=dist.ReduceOp.MAX)
+    oom, alloc, reserved, peak_rss, step_time, total = outcome.tolist()
+    return {"per_gpu_batch_size": micro_batch, "fits": not oom, "peak_mem_allocated_gb": alloc,
+            "peak_mem_reserved_gb": reserved, "peak_rss_gb": peak_rss, "step_time_s": step_time,
+            "device_memory_gb": total}
+
+
+class RssSampler:
+    """Peak resident memory of this process while it runs (CPU has no allocator peak to read)."""
+
+    def __init__(self, interval_s: float = 0.005):
+        import threading
+
+        import psutil
+
+        self.process, self.peak, self.interval_s = psutil.Process(), 0, interval_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            self.done.wait(self.interval_s)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return max(self.peak, self.process.memory_info().rss)
 
 
 @torch.no_grad()
@@ -241,7 +531,7 @@ def evaluate(model, shard: Shard, loss_fn, trial: TrialConfig, precision: str = 
     length, classes = trial.image.length, trial.image.num_classes
     zero = torch.zeros((), device=device, dtype=torch.float64)
     loss_sum, exact, chars = zero.clone(), zero.clone(), zero.clone()
-    batch = trial.knobs.per_gpu_batch_size
+    batch = trial.micro_batch_size
     with _autocast(device, precision):
         for start in range(0, len(shard), batch):
             idx = torch.arange(start, min(start + batch, len(shard)), device=device)
@@ -336,8 +626,12 @@ def _quiet_ray_train_logs() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=()):
-    """A `TorchTrainer` for one trial. `name` must be deterministic: an existing run resumes."""
+def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
+                 worker_fn=None, extra_config: dict | None = None):
+    """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
+
+    `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint.
+    """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -345,8 +639,9 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
     if trial.scaling.use_gpu:
         resources["GPU"] = 1
     return TorchTrainer(
-        train_worker,
-        train_loop_config={"trial": trial.to_dict(), "data": data_ref},
+        worker_fn or train_worker,
+        train_loop_config={"trial": trial.to_dict(), "data": data_ref, "failure_file": failure_path(storage_path, name),
+                           **(extra_config or {})},
         scaling_config=ScalingConfig(
             num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
         ),
@@ -359,5 +654,6 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
             # once, so the wait is bounded by 2 × worker_start_timeout_s
             failure_config=FailureConfig(max_failures=trial.train.max_failures, controller_failure_limit=1),
             logging_config=LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": env if env is not None else worker_env()},
         ),
     )

@@ -67,7 +67,7 @@ def test_no_weight_decay_on_biases_and_norm_weights():
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"])
-    bn = model.features[0][1]
+    bn = model.features[0].bn
     ids = {id(p) for p in no_decay["params"]}
-    assert id(bn.weight) in ids and id(bn.bias) in ids and id(model.head[1].bias) in ids
+    assert id(bn.weight) in ids and id(bn.bias) in ids and id(model.fc1.bias) in ids
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

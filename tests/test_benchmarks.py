@@ -1,0 +1,37 @@
+"""Each benchmark runs in --quick mode and produces its table and RESULT line (no timing asserted)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def _run(script: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT \w+ (ratio|value)=\d+\.\d+", last), last
+    return proc.stdout
+
+
+def test_loop_vs_seed_quick():
+    out = _run("loop_vs_seed.py")
+    assert "loop        batch  loader workers   images/s  vs best seed" in out
+    assert len([ln for ln in out.splitlines() if ln.startswith(("seed ", "raysweep "))]) == 6
+
+
+@pytest.mark.ray
+def test_ray_overhead_quick():
+    out = _run("ray_overhead.py")
+    assert "fit() → first report, s" in out and "ratio Ray ÷ bare" in out
+
+
+def test_gpu_throughput_quick_checks_the_code_path_on_cpu():
+    out = _run("gpu_throughput.py")
+    assert "MFLOP per image forward+backward" in out
+    rows = [ln for ln in out.splitlines() if re.match(r"\s+(8|16)\s+(fp32|bf16)", ln)]
+    assert len(rows) == 2 * 2 * 2  # batches × precisions × channels_last

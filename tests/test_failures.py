@@ -1,0 +1,144 @@
+"""Largest batch that fits, OOM downshifts and divergence: real Ray, CPU workers, injected faults."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_spec, write_spec
+from raysweep.cli import main
+from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig, load_config
+from raysweep.model import CaptchaCNN
+from raysweep.optim import build_optimizer
+from raysweep.tracking import failure_kind
+from raysweep.train_loop import DivergenceWatch, TestFaults, TrialFailure, probe_step
+
+
+def _trial(batch=64, accum=1, workers=2):
+    return TrialConfig(
+        knobs=Knobs(per_gpu_batch_size=batch, base_lr=1e-3, warmup_epochs=1, weight_decay=1e-4,
+                    grad_accum_steps=accum, lr_rule="sqrt"),
+        train=TrainConfig(epochs=2, reference_batch_size=64), model=ModelConfig(), scaling=ScalingConfig(num_workers=workers),
+        image=ImageSpec(width=64, height=24, length=4, num_classes=36), train_size=1000,
+    )
+
+
+def test_downshift_keeps_global_batch_lr_and_steps():
+    t = _trial(batch=96)
+    d = t.downshifted()
+    assert (d.micro_batch_size, d.accumulation_steps) == (48, 2)
+    assert (d.global_batch_size, d.peak_lr, d.steps_per_epoch, d.total_steps) == (
+        t.global_batch_size, t.peak_lr, t.steps_per_epoch, t.total_steps)
+    assert d.downshifted().micro_batch_size == 24 and _trial(batch=97).downshifted().micro_batch_size == 49
+
+
+def test_batch_cap_runs_large_batches_as_micro_batches(tmp_path):
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
+    capped = config.trial({"per_gpu_batch_size": 1024}, train_size=50_000, batch_cap=512)
+    plain = config.trial({"per_gpu_batch_size": 1024}, train_size=50_000)
+    assert (capped.micro_batch_size, capped.accumulation_steps) == (512, 2)
+    assert capped.global_batch_size == plain.global_batch_size and capped.peak_lr == plain.peak_lr
+    assert config.trial({"per_gpu_batch_size": 256}, 50_000, batch_cap=512).micro_splits == 1
+
+
+def test_max_probe_is_only_for_the_batch_knob(tmp_path):
+    ok = load_config(write_spec(tmp_path, "search:\n  per_gpu_batch_size: {choice: [256, 512], max: probe}\n"))
+    assert ok.batch_cap == "probe"
+    from raysweep.errors import UserError
+
+    with pytest.raises(UserError, match="'max' applies to per_gpu_batch_size only"):
+        load_config(write_spec(tmp_path, "search:\n  base_lr: {choice: [1.0e-3], max: 3}\n"))
+
+
+def test_probe_step_leaves_model_and_optimizer_untouched_and_catches_oom():
+    torch.manual_seed(0)
+    model = CaptchaCNN(24, 64, 4, 36).to(memory_format=torch.channels_last)
+    opt = build_optimizer(model, 1e-3, 1e-4, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ok = probe_step(model, opt, scaler, _trial(), 32, torch.device("cpu"), "fp32")
+    assert ok["fits"] and ok["step_time_s"] > 0 and ok["peak_rss_gb"] > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # weights and BatchNorm statistics restored
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+    import raysweep.train_loop as tl
+
+    real, tl.FAULTS = tl.FAULTS, TestFaults(oom_above=16)
+    try:
+        assert not probe_step(model, opt, scaler, _trial(), 32, torch.device("cpu"), "fp32")["fits"]
+    finally:
+        tl.FAULTS = real
+
+
+def test_divergence_watch_raises_on_cpu_at_once():
+    watch = DivergenceWatch(torch.device("cpu"))
+    watch.check(~torch.isfinite(torch.tensor(3.0)), 1, 1)
+    with pytest.raises(TrialFailure, match="diverged: non-finite loss or gradient norm at epoch 2, step 7"):
+        watch.check(~torch.isfinite(torch.tensor(float("nan"))), 2, 7)
+
+
+def test_failure_kinds():
+    assert failure_kind("TrialFailed: OOM at per-GPU batch 128 (micro-batch 64 after 1 downshifts)") == "oom"
+    assert failure_kind("TrialFailed: diverged: non-finite loss or gradient norm at epoch 2, step 10") == "diverged"
+    assert failure_kind("ValueError: something else") is None
+
+
+@pytest.mark.ray
+def test_probe_finds_the_injected_limit_exactly(ray_cluster, tmp_path, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("RAYSWEEP_TEST_OOM_ABOVE", "96")
+    path = write_spec(tmp_path, tiny_spec(tmp_path))
+    assert main(["probe", str(path), "--start", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "largest per-GPU batch that fits: 96" in out and "recommended: 96" in out
+    table = json.loads(next((tmp_path / "results" / "t" / "probe").rglob("probe.json")).read_text())
+    tried = [(r["per_gpu_batch_size"], r["fits"]) for r in table["results"]]
+    assert tried == [(8, True), (16, True), (32, True), (64, True), (128, False),  # doubling
+                     (96, True), (112, False), (104, False), (100, False), (98, False), (97, False)]  # bisection
+    assert table["world_size"] == 2
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id], "tags.`raysweep.kind` = 'probe'")
+    assert run.data.params["largest_per_gpu_batch"] == "96"
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"probe.json", "probe.png", "spec.yaml"}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "fits")] == sorted(b for b, _ in tried)
+
+
+@pytest.mark.ray
+def test_sweep_survives_oom_and_divergence(ray_cluster, tmp_path, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+    from ray.tune import ExperimentAnalysis
+
+    monkeypatch.setenv("RAYSWEEP_TEST_OOM_ABOVE", "32")  # 64 fits after one downshift; 128 does not
+    monkeypatch.setenv("RAYSWEEP_TEST_NAN_AT_STEP", "10")  # only batch-16 trials take 10 optimizer steps
+    spec = tiny_spec(
+        tmp_path,
+        train={"epochs": 2, "reference_batch_size": 64, "max_downshifts": 1},
+        search={"per_gpu_batch_size": {"choice": [16, 64, 128], "default": 16}, "base_lr": {"loguniform": [1.0e-4, 1.0e-3]},
+                "warmup_epochs": 0, "weight_decay": 1.0e-4},
+        tune={"num_samples": 5, "seed": 3, "asha": {"grace_period": 2, "max_t": 2}},  # no pruning
+    )
+    assert main(["tune", str(write_spec(tmp_path, spec))]) == 0  # some trials failed; the sweep ran
+    analysis = ExperimentAnalysis(str(tmp_path / "results" / "t"))
+    status = {t.trial_id: (t.config["per_gpu_batch_size"], t.status) for t in analysis.trials}
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    children = [r for r in client.search_runs([client.get_experiment_by_name("t").experiment_id])
+                if "mlflow.parentRunId" in r.data.tags]
+    seen = set()
+    for run in children:
+        batch, tune_status = status[run.info.run_name]
+        seen.add(batch)
+        if batch == 128:
+            assert tune_status == "ERROR" and run.info.status == "FAILED"
+            assert run.data.tags["failure"] == "oom" and "OOM at per-GPU batch 128" in run.data.tags["error"]
+        elif batch == 16:
+            assert tune_status == "ERROR" and run.info.status == "FAILED" and run.data.tags["failure"] == "diverged"
+            epochs = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+            assert epochs == [1]  # the finite epoch kept, the diverged one never reported
+        else:
+            assert tune_status == "TERMINATED" and run.info.status in ("FINISHED", "KILLED")
+            p = run.data.params
+            assert (p["micro_batch_size"], p["accumulation_steps"], p["oom_downshifts"]) == ("32", "2", "1")
+            assert p["global_batch_size"] == "128"  # 64 × 2 workers × 1, as sampled
+    assert seen == {16, 64, 128}, f"seed 3 no longer samples every batch: {seen}"
