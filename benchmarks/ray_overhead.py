@@ -83,7 +83,8 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[lis
     trainer.fit()
     stamps = [json.loads(line) for line in log.read_text().splitlines()]
     intervals = [b["t"] - a["t"] for a, b in zip(stamps, stamps[1:])]
-    return intervals, stamps[0]["t"] - t_fit, stamps[0]["epoch_time_s"]
+    own = [s["epoch_time_s"] for s in stamps[1:]]
+    return intervals, stamps[0]["t"] - t_fit, stamps[0]["epoch_time_s"], own
 
 
 def main() -> int:
@@ -111,13 +112,14 @@ def main() -> int:
         ray.init(num_cpus=2, **ray_init_kwargs())
         init_s = time.time() - t0
         data_ref = ray.put(data)
-        bare_epochs, ray_epochs, first, first_epoch = [], [], [], []
+        bare_epochs, ray_epochs, first, first_epoch, ray_own = [], [], [], [], []
         try:
             for rep in range(repeats):
                 b = bare(config, data)
                 bare_epochs += b[1:]
-                r, f, fe = in_ray(config, data_ref, len(data.train), f"overhead-{rep}", tmp / "stamps.jsonl")
+                r, f, fe, own = in_ray(config, data_ref, len(data.train), f"overhead-{rep}", tmp / "stamps.jsonl")
                 ray_epochs += r
+                ray_own += own
                 first.append(f)
                 first_epoch.append(fe)
                 print(f"  rep {rep + 1}/{repeats}: bare {statistics.median(b[1:]):.2f} s/epoch, "
@@ -134,6 +136,8 @@ def main() -> int:
     print(f"{'measure':44s} {'value':>10s}")
     print(f"{'bare loop, s/epoch (median, epochs 2..)':44s} {bare_s:10.3f}")
     print(f"{'TorchTrainer, s between reports (median)':44s} {ray_s:10.3f}")
+    own_label = "  of which the worker's own epoch (median), s"
+    print(f"{own_label:44s} {statistics.median(ray_own):10.3f}")
     print(f"{'ratio Ray ÷ bare':44s} {ray_s / bare_s:10.3f}")
     print(f"{'ray.init() (local cluster start), s':44s} {init_s:10.1f}")
     print(f"{'fit() → first report, s':44s} {first_s:10.1f}")

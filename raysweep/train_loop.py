@@ -95,7 +95,7 @@ class TrialFailure(Exception):
 
 
 @dataclass(frozen=True)
-class TestFaults:
+class FaultInjection:
     """Test-only switches (CPU has no allocator limit, and NaNs are hard to provoke on purpose).
 
     RAYSWEEP_TEST_OOM_ABOVE=N: the training step raises torch.OutOfMemoryError when the per-GPU
@@ -107,7 +107,7 @@ class TestFaults:
     nan_at_step: int | None = None
 
     @classmethod
-    def from_env(cls) -> TestFaults:
+    def from_env(cls) -> FaultInjection:
         def read(name):
             value = os.environ.get(name)
             return int(value) if value else None
@@ -119,7 +119,7 @@ class TestFaults:
             raise torch.OutOfMemoryError(f"RAYSWEEP_TEST_OOM_ABOVE={self.oom_above}: micro-batch {micro_batch}")
 
 
-FAULTS = TestFaults.from_env()
+FAULTS = FaultInjection.from_env()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainC
 from raysweep.model import CaptchaCNN
 from raysweep.optim import build_optimizer
 from raysweep.tracking import failure_kind
-from raysweep.train_loop import DivergenceWatch, TestFaults, TrialFailure, probe_step
+from raysweep.train_loop import DivergenceWatch, FaultInjection, TrialFailure, probe_step
 
 
 def _trial(batch=64, accum=1, workers=2):
@@ -64,7 +64,7 @@ def test_probe_step_leaves_model_and_optimizer_untouched_and_catches_oom():
 
     import raysweep.train_loop as tl
 
-    real, tl.FAULTS = tl.FAULTS, TestFaults(oom_above=16)
+    real, tl.FAULTS = tl.FAULTS, FaultInjection(oom_above=16)
     try:
         assert not probe_step(model, opt, scaler, _trial(), 32, torch.device("cpu"), "fp32")["fits"]
     finally:
