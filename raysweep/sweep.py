@@ -87,8 +87,8 @@ def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_sampl
         raise UserError(
             f"scaling: a trial needs {s.num_workers} GPUs ({s.num_workers} workers × 1) but the cluster has {gpus:g}; "
             f"lower scaling.num_workers to {int(gpus)} or set scaling.use_gpu: false" if gpus >= 1 else
-            f"scaling.use_gpu: true but the cluster has no GPU; set scaling.use_gpu: false (CPU workers, gloo) "
-            f"or run on a GPU cluster (--address)"
+            "scaling.use_gpu: true but the cluster has no GPU; set scaling.use_gpu: false (CPU workers, gloo) "
+            "or run on a GPU cluster (--address)"
         )
     if cpus < need_cpu:
         raise UserError(
@@ -200,9 +200,6 @@ class ConsoleProgress:
         self.started: dict[str, float] = {}
         self.first_report_s: dict[str, float] = {}
         self.last_table = time.monotonic()
-
-    def __getstate__(self):
-        return self.__dict__
 
     def _trial_cfg(self, trial):
         return self.config.trial(dict(trial.config), self.train_size)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from raysweep.errors import UserError
 from raysweep.metrics import METRIC_NAMES
