@@ -8,7 +8,10 @@ dropout, fused AdamW, no per-step sync, and the host-memory setup of a raysweep 
 
 Every measurement runs in a fresh process (the seed's with the default environment), the
 configurations alternate within each repetition, and the table shows medians of steady-state
-images/s (a warm-up step first). Last line: RESULT loop_vs_seed ratio=<raysweep ÷ best seed at the
+images/s: each measurement first runs 3 warm-up steps (1 with --quick), untimed. raysweep's CPU
+worker keeps freed activations in its heap (keep_host_memory), which takes ~3 steps to reach its
+size: steps 1-3 ran 112, 88, 152 images/s at batch 512, then 142-161; the seed's loop has no
+such ramp (it maps and unmaps its activations every step). Last line: RESULT loop_vs_seed ratio=<raysweep ÷ best seed at the
 largest batch>.
 
     python benchmarks/loop_vs_seed.py            # batch 64 and 512, 160×60, 3 repetitions
@@ -33,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 CHARSET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def measure_seed(folder: str, batch: int, steps: int, num_workers: int, height: int, width: int) -> float:
+def measure_seed(folder: str, batch: int, steps: int, num_workers: int, height: int, width: int, warmup: int) -> float:
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -43,13 +46,14 @@ def measure_seed(folder: str, batch: int, steps: int, num_workers: int, height: 
     model = seed_model(height, width, 4, len(CHARSET))
     loader = torch.utils.data.DataLoader(PngCaptchas(folder, CHARSET), batch_size=batch, shuffle=True,
                                          num_workers=num_workers, drop_last=True, persistent_workers=num_workers > 0)
-    train_steps(model, loader, steps=1)  # warm-up (and DataLoader worker start)
+    train_steps(model, loader, steps=warmup)  # (and DataLoader worker start)
     t0 = time.perf_counter()
     train_steps(model, loader, steps=steps)
     return batch * steps / (time.perf_counter() - t0)
 
 
-def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: int, profile: bool = False) -> float:
+def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: int, warmup: int,
+                     profile: bool = False) -> float:
     import torch
 
     from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
@@ -80,7 +84,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
     sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * steps)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     loss_fn = torch.nn.MultiLabelSoftMarginLoss()
-    train_one_epoch(model, shard(1), opt, sched, scaler, loss_fn, trial(1), 1, 0)  # warm-up step
+    train_one_epoch(model, shard(warmup), opt, sched, scaler, loss_fn, trial(warmup), 1, 0)
     timed_shard = shard(steps)
     t0 = time.perf_counter()
     sums = train_one_epoch(model, timed_shard, opt, sched, scaler, loss_fn, timed, 2, 0)
@@ -126,12 +130,12 @@ def main() -> int:
     p.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.child is not None:
-        kind, folder, batch, steps, workers, height, width = a.child[:7]
-        batch, steps, workers, height, width = int(batch), int(steps), int(workers), int(height), int(width)
+        kind, folder, *numbers = a.child[:8]
+        batch, steps, workers, height, width, warmup = map(int, numbers)
         if kind == "seed":
-            rate = measure_seed(folder, batch, steps, workers, height, width)
+            rate = measure_seed(folder, batch, steps, workers, height, width, warmup)
         else:
-            rate = measure_raysweep(folder, batch, steps, height, width, profile="--profile" in sys.argv)
+            rate = measure_raysweep(folder, batch, steps, height, width, warmup, profile="--profile" in sys.argv)
         print(json.dumps({"images_per_s": rate}))
         return 0
 
@@ -139,21 +143,22 @@ def main() -> int:
     from raysweep.data import write_captcha_folder
 
     if a.quick:
-        height, width, batches, repeats = 24, 64, {8: 2, 16: 2}, 1
+        height, width, batches, repeats, warmup = 24, 64, {8: 2, 16: 2}, 1, 1
     else:
-        height, width, batches, repeats = 60, 160, {64: 8, 512: 3}, a.repeats
+        height, width, batches, repeats, warmup = 60, 160, {64: 8, 512: 3}, a.repeats, 3
     configs = [(kind, b, nw) for b in batches for kind, nw in (("seed", 0), ("seed", 2), ("raysweep", 0))]
     with tempfile.TemporaryDirectory() as tmp:
-        n_images = max(b * (s + 1) for b, s in batches.items())
+        n_images = max(b * max(s, warmup) for b, s in batches.items())
         write_captcha_folder(Path(tmp), n_images, CHARSET, 4, width, height)
         rates: dict[tuple, list[float]] = {c: [] for c in configs}
         for rep in range(repeats):
             for kind, b, nw in configs:  # alternate within each repetition
                 extra = ["--profile"] if (a.profile and kind == "raysweep" and rep == 0 and b == max(batches)) else []
-                rates[(kind, b, nw)].append(run_child([kind, tmp, str(b), str(batches[b]), str(nw), str(height), str(width), *extra]))
+                rates[(kind, b, nw)].append(run_child([kind, tmp, str(b), str(batches[b]), str(nw), str(height), str(width), str(warmup), *extra]))
                 print(f"  rep {rep + 1}/{repeats} {kind:8s} batch {b:4d} workers {nw}: {rates[(kind, b, nw)][-1]:8.1f} images/s",
                       file=sys.stderr, flush=True)
-    print(f"loop_vs_seed on {machine()}; images {width}×{height}, medians of {repeats} alternating repetitions")
+    print(f"loop_vs_seed on {machine()}; images {width}×{height}, medians of {repeats} alternating repetitions, "
+          f"{warmup} warm-up steps each")
     print(f"{'loop':10s} {'batch':>6s} {'loader workers':>15s} {'images/s':>10s} {'vs best seed':>13s}")
     ratio = 0.0
     for b in batches:

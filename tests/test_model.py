@@ -83,3 +83,33 @@ def test_keep_mask_rate_and_layout(p):
     assert abs(keep.float().mean().item() - (1 - p)) < 5 * ((p * (1 - p) / n) ** 0.5)
     torch.manual_seed(1)
     assert torch.equal(keep_mask(x, p), keep)  # replays under the same seed
+
+
+def test_keep_mask_bits_are_independent_between_neighbours():
+    """p = 0.5 spreads each random bit to one element: neighbours, inside a byte and across bytes, are independent."""
+    torch.manual_seed(2)
+    keep = keep_mask(torch.empty(2_000_000), 0.5).float()
+    n = keep.numel()
+    for lag in (1, 7, 8, 64):  # same byte, byte boundary, next byte, next int64
+        both = (keep[:-lag] * keep[lag:]).mean().item()
+        assert abs(both - 0.25) < 5 * (0.25 * 0.75 / n) ** 0.5, lag
+    assert keep_mask(torch.empty(3, 5, 7), 0.5).shape == (3, 5, 7)  # sizes that are not a multiple of 64
+
+
+def test_nchw_weight_gradient_conv_matches_conv2d():
+    """The block whose conv computes its weight gradient in NCHW gives nn.Conv2d's output and gradients."""
+    from raysweep.model import _ConvWeightGradNCHW
+
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(32, 64, 3, padding=1).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 32, 10, 12).contiguous(memory_format=torch.channels_last).requires_grad_()
+    grad = torch.randn(4, 64, 10, 12).contiguous(memory_format=torch.channels_last)
+    ours = _ConvWeightGradNCHW.apply(x, conv.weight, conv.bias)
+    got = torch.autograd.grad(ours, (x, conv.weight, conv.bias), grad)
+    want = torch.autograd.grad(conv(x), (x, conv.weight, conv.bias), grad)
+    torch.testing.assert_close(ours, conv(x))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert got[1].is_contiguous(memory_format=torch.channels_last)  # like the weight, for the fused optimizer
+    block = CaptchaCNN(24, 64, 4, 36).features[1]
+    assert block.weight_grad_nchw and not CaptchaCNN(24, 64, 4, 36).features[0].weight_grad_nchw
