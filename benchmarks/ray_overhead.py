@@ -2,13 +2,26 @@
 loop run bare in one process, and seconds from `fit()` to the first reported epoch.
 
 Both sides run the same `TrainingRun` (build, then per epoch: train, evaluate, reduce, checkpoint)
-on the same data with 1 worker holding both CPUs. Bare: epochs timed back to back, a torch.save of
-the checkpoint each epoch. Ray: a `UserCallback` in the controller stamps each report, so the
-interval between reports includes everything Ray adds (report collective, checkpoint upload).
-Repetitions alternate bare / Ray; medians over epochs 2.. of each run.
-Last line: RESULT ray_overhead ratio=<Ray ÷ bare steady-state epoch time>.
+on the same data with 1 worker. Bare: epochs timed back to back, a torch.save of the checkpoint each
+epoch; a run's figure is the mean of epochs 2... Ray: a `UserCallback` in the controller stamps each
+report, so the interval between reports includes everything Ray adds (report barrier, checkpoint
+upload); a run's figure is (last stamp − first) ÷ intervals. The controller sees reports only when
+it polls (every 0.2 s), so a single interval is off by up to 0.2 s while the span is off by that much
+only at its two ends (a median of intervals would pick one side of the poll grid).
 
-    python benchmarks/ray_overhead.py            # 2,048 images 64×24, 6 epochs, 2 repetitions
+Two configurations, alternating bare / Ray within each repetition; ratios are of the medians over
+repetitions:
+- all cores: the worker holds both CPUs (2 threads), so Ray's own processes (raylet, GCS,
+  dashboard, the Train controller and its helper actors) share those cores with training;
+- a core spare: the worker holds 1 CPU (1 thread; bare on 1 thread too, half the images so an
+  epoch lasts about as long), so what is left is Ray Train's own per-epoch cost.
+fit() → first report (all cores) is the median over repetitions, each listed: the first on a fresh
+cluster also starts Ray's AutoscalingCoordinator (one per cluster); later ones are what every
+further trial of a sweep pays.
+Last lines: RESULT ray_overhead ratio=<Ray ÷ bare, all cores>, RESULT ray_overhead_spare_core
+ratio=<the same with a core spare>, RESULT ray_first_report_s value=<seconds>.
+
+    python benchmarks/ray_overhead.py            # 64×24 images, 8 epochs, 3 repetitions (~5 min)
     python benchmarks/ray_overhead.py --quick    # seconds (CI)
 """
 
@@ -28,19 +41,19 @@ os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def spec(train_size: int, epochs: int, tmp: Path):
+def spec(train_size: int, epochs: int, tmp: Path, cpus_per_worker: int = 2):
     from raysweep.config import load_config
 
     text = f"""
 name: overhead
 storage_path: {tmp / 'runs'}
 data: {{width: 64, height: 24, synthetic: {{train_size: {train_size}, val_size: 256, seed: 0}}}}
-scaling: {{num_workers: 1, cpus_per_worker: 2}}
+scaling: {{num_workers: 1, cpus_per_worker: {cpus_per_worker}}}
 train: {{epochs: {epochs}, precision: fp32, checkpoint_every: 1}}
 search: {{per_gpu_batch_size: 64, base_lr: 1.0e-3, warmup_epochs: 1, weight_decay: 1.0e-4}}
 tune: {{asha: {{grace_period: 1}}}}
 """
-    path = tmp / "spec.yaml"
+    path = tmp / f"spec-{cpus_per_worker}.yaml"
     path.write_text(text)
     return load_config(path)
 
@@ -65,8 +78,9 @@ def bare(config, data) -> list[float]:
     return times
 
 
-def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[list[float], float, float]:
-    """The trial in a TorchTrainer: (seconds between reports, fit() → first report, first epoch's own time)."""
+def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[list[float], float, float, list[float]]:
+    """The trial in a TorchTrainer: (seconds between reports, fit() → first report, the first epoch's own
+    time, the worker's own epoch times from epoch 2 on)."""
     import ray.train
 
     from raysweep.train_loop import make_trainer
@@ -87,6 +101,9 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[lis
     return intervals, stamps[0]["t"] - t_fit, stamps[0]["epoch_time_s"], own
 
 
+CONFIGS = {"all cores": (2, 2048), "a core spare": (1, 1024)}  # name: (CPUs for the worker, images)
+
+
 def main() -> int:
     from raysweep.train_loop import worker_env
 
@@ -95,56 +112,63 @@ def main() -> int:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **worker_env()})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    train_size, epochs, repeats = (128, 3, 1) if a.quick else (2048, 6, a.repeats)
+    scale, epochs, repeats = (16, 3, 1) if a.quick else (1, 8, a.repeats)
 
     import ray
 
     from raysweep.data import load_data
     from raysweep.sweep import ray_init_kwargs
 
+    runs = {name: {"bare": [], "ray": [], "own": [], "first": [], "first_epoch": []} for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config = spec(train_size, epochs, tmp)
-        data = load_data(config.data, progress=False)
+        setups = {}
+        for name, (cpus, images) in CONFIGS.items():
+            config = spec(images // scale, epochs, tmp, cpus)
+            setups[name] = (config, load_data(config.data, progress=False))
         t0 = time.time()
         ray.init(num_cpus=2, **ray_init_kwargs())
         init_s = time.time() - t0
-        data_ref = ray.put(data)
-        bare_epochs, ray_epochs, first, first_epoch, ray_own = [], [], [], [], []
+        refs = {name: ray.put(data) for name, (_, data) in setups.items()}
         try:
             for rep in range(repeats):
-                b = bare(config, data)
-                bare_epochs += b[1:]
-                r, f, fe, own = in_ray(config, data_ref, len(data.train), f"overhead-{rep}", tmp / "stamps.jsonl")
-                ray_epochs += r
-                ray_own += own
-                first.append(f)
-                first_epoch.append(fe)
-                print(f"  rep {rep + 1}/{repeats}: bare {statistics.median(b[1:]):.2f} s/epoch, "
-                      f"ray {statistics.median(r):.2f} s/epoch, first report {f:.1f} s", file=sys.stderr, flush=True)
+                for name, (config, data) in setups.items():
+                    r = runs[name]
+                    b = bare(config, data)
+                    r["bare"].append(statistics.mean(b[1:]))
+                    intervals, first, first_epoch, own = in_ray(config, refs[name], len(data.train),
+                                                                f"overhead-{rep}-{config.scaling.cpus_per_worker}",
+                                                                tmp / "stamps.jsonl")
+                    r["ray"].append(statistics.mean(intervals))  # = (last stamp − first) / intervals
+                    r["own"].append(statistics.mean(own))
+                    r["first"].append(first)
+                    r["first_epoch"].append(first_epoch)
+                    print(f"  rep {rep + 1}/{repeats} {name:12s}: bare {r['bare'][-1]:.3f} s/epoch, ray "
+                          f"{r['ray'][-1]:.3f} s/epoch (ratio {r['ray'][-1] / r['bare'][-1]:.3f}), first report "
+                          f"{first:.1f} s", file=sys.stderr, flush=True)
         finally:
             ray.shutdown()
 
     import torch
 
-    bare_s, ray_s = statistics.median(bare_epochs), statistics.median(ray_epochs)
-    first_s, first_epoch_s = statistics.median(first), statistics.median(first_epoch)
-    print(f"ray_overhead on {os.cpu_count()} CPUs, torch {torch.__version__}; 1 worker × 2 CPUs, gloo; "
-          f"{train_size} images 64×24, batch 64, {epochs} epochs × {repeats} repetitions")
-    print(f"{'measure':44s} {'value':>10s}")
-    print(f"{'bare loop, s/epoch (median, epochs 2..)':44s} {bare_s:10.3f}")
-    print(f"{'TorchTrainer, s between reports (median)':44s} {ray_s:10.3f}")
-    own_label = "  of which the worker's own epoch (median), s"
-    print(f"{own_label:44s} {statistics.median(ray_own):10.3f}")
-    print(f"{'ratio Ray ÷ bare':44s} {ray_s / bare_s:10.3f}")
-    print(f"{'ray.init() (local cluster start), s':44s} {init_s:10.1f}")
-    print(f"{'fit() → first report, s':44s} {first_s:10.1f}")
-    print(f"{'  of which the first epoch itself, s':44s} {first_epoch_s:10.1f}")
-    print(f"{'  so start-up before epoch 1, s':44s} {first_s - first_epoch_s:10.1f}")
-    print(f"RESULT ray_overhead ratio={ray_s / bare_s:.3f}")
-    print(f"RESULT ray_first_report_s value={first_s:.2f}")
+    med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in runs.items()}
+    print(f"ray_overhead on {os.cpu_count()} CPUs, torch {torch.__version__}; 1 worker, gloo; images 64×24, batch 64, "
+          f"{epochs} epochs × {repeats} repetitions; medians over repetitions")
+    print(f"{'configuration':13s} {'images':>6s} {'bare s/epoch':>12s} {'Ray s/epoch':>11s} {'worker own':>10s} "
+          f"{'Ray ÷ bare':>10s} {'first report s':>14s}")
+    for name, (cpus, images) in CONFIGS.items():
+        m = med[name]
+        print(f"{name:13s} {images // scale:6d} {m['bare']:12.3f} {m['ray']:11.3f} {m['own']:10.3f} "
+              f"{m['ray'] / m['bare']:10.3f} {m['first']:14.1f}")
+    m = med["all cores"]
+    print(f"fit() → first report, all cores: {m['first']:.1f} s median (each: "
+          f"{', '.join(f'{f:.1f}' for f in runs['all cores']['first'])}); first epoch itself {m['first_epoch']:.1f} s, "
+          f"so start-up {m['first'] - m['first_epoch']:.1f} s; ray.init() of the local cluster {init_s:.1f} s")
+    print(f"RESULT ray_overhead_spare_core ratio={med['a core spare']['ray'] / med['a core spare']['bare']:.3f}")
+    print(f"RESULT ray_first_report_s value={m['first']:.2f}")
+    print(f"RESULT ray_overhead ratio={m['ray'] / m['bare']:.3f}")
     return 0
 
 

@@ -36,6 +36,10 @@ def ray_env(worker_start_timeout_s: float) -> dict[str, str]:
         # the controller polls workers' reports this often; each epoch's report waits for a poll
         # (2 s by default: 1.3 s of every epoch here, benchmarks/ray_overhead.py)
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+        # a watcher actor per trial (one more Python process to start on the path to the first
+        # report) that polls for preempted nodes; raysweep's clusters are fixed machines, and a
+        # lost node still fails the worker group, restarted by FailureConfig
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     }
 
 

@@ -6,6 +6,7 @@ Every rank: build → (resume) → for each epoch: train one epoch, evaluate, re
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -633,12 +634,11 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
     `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint.
     """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     resources = {"CPU": trial.scaling.cpus_per_worker}
     if trial.scaling.use_gpu:
         resources["GPU"] = 1
-    return TorchTrainer(
+    return _trainer_class()(
         worker_fn or train_worker,
         train_loop_config={"trial": trial.to_dict(), "data": data_ref, "failure_file": failure_path(storage_path, name),
                            **(extra_config or {})},
@@ -657,3 +657,25 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
             worker_runtime_env={"env_vars": env if env is not None else worker_env()},
         ),
     )
+
+
+@functools.cache
+def _trainer_class():
+    """`TorchTrainer` without Ray Data's per-run `DatasetManager` actor when no `datasets` are given.
+
+    Train V2 starts that actor for every run whether or not it has datasets: a fresh Python process
+    importing ray.data (about 1 s of CPU), started while the worker group sets up, on the path to
+    the first report. raysweep's data travels as one object ref, never as Ray Datasets.
+    `tests/test_train_ray.py` checks the callback list, so a Ray upgrade that renames the hook fails there.
+    """
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class CaptchaTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return CaptchaTrainer

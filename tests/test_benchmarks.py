@@ -27,7 +27,11 @@ def test_loop_vs_seed_quick():
 @pytest.mark.ray
 def test_ray_overhead_quick():
     out = _run("ray_overhead.py")
-    assert "fit() → first report, s" in out and "ratio Ray ÷ bare" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("all cores ", "a core spare "))]
+    assert [r[-6] for r in rows] == ["128", "64"]  # images per configuration (--quick)
+    assert all(float(v) > 0 for r in rows for v in r[-5:])  # bare, Ray, worker own, ratio, first report
+    assert re.search(r"^RESULT ray_overhead_spare_core ratio=\d+\.\d+$", out, re.M)
+    assert re.search(r"^RESULT ray_first_report_s value=\d+\.\d+$", out, re.M)
 
 
 def test_gpu_throughput_quick_checks_the_code_path_on_cpu():

@@ -95,3 +95,18 @@ def test_resumed_run_continues_at_the_saved_epoch(tmp_path, data_ref):
     _, second = _fit(tmp_path, "resume", ["train.epochs=3"], data_ref)
     assert [r["epoch"] for r in second] == [3]
     assert second[-1]["samples_seen"] == 3 * 192
+
+
+def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_ref):
+    """Each of those is one more Python process to start before the first report (benchmarks/ray_overhead.py)."""
+    from ray.util.state import list_actors
+
+    def started(class_name):  # alive or dead: the GCS keeps the records of finished actors
+        return len(list_actors(filters=[("class_name", "=", class_name)], limit=10_000, raise_on_missing_output=False))
+
+    workers_before = started("RayTrainWorker")
+    _, reports = _fit(tmp_path, "helpers", ["train.epochs=1"], data_ref)
+    assert [r["epoch"] for r in reports] == [1]
+    assert started("RayTrainWorker") == workers_before + 2  # the query sees this run's actors
+    assert started("DatasetManager") == 0
+    assert started("PreemptionWatcher") == 0
