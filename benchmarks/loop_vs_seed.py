@@ -5,6 +5,8 @@ plain nn.Sequential model with nn.Dropout, `.item()` every step (benchmarks/seed
 raysweep: images decoded once into uint8 arrays, batches sliced from them, channels_last, cheap fused
 dropout, fused AdamW, no per-step sync, and the host-memory setup of a raysweep CPU worker
 (huge pages, large blocks kept in the heap: raysweep/train_loop.py, worker_env and keep_host_memory).
+Both in fp32; on a CPU where raysweep's `precision: auto` picks bf16 (AVX512-BF16 or AMX), a
+`raysweep-bf16` row shows what a trial runs by default (not part of the ratio).
 
 Every measurement runs in a fresh process (the seed's with the default environment), the
 configurations alternate within each repetition, and the table shows medians of steady-state
@@ -53,7 +55,7 @@ def measure_seed(folder: str, batch: int, steps: int, num_workers: int, height: 
 
 
 def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: int, warmup: int,
-                     profile: bool = False) -> float:
+                     profile: bool = False, precision: str = "fp32") -> float:
     import torch
 
     from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
@@ -68,7 +70,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
         return TrialConfig(
             knobs=Knobs(per_gpu_batch_size=batch, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4,
                         grad_accum_steps=1, lr_rule="none"),
-            train=TrainConfig(epochs=2, precision="fp32"), model=ModelConfig(dropout=0.5),
+            train=TrainConfig(epochs=2, precision=precision), model=ModelConfig(dropout=0.5),
             scaling=ScalingConfig(num_workers=1),
             image=ImageSpec(width=width, height=height, length=4, num_classes=len(CHARSET)), train_size=batch * n_steps,
         )
@@ -84,10 +86,10 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
     sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * steps)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     loss_fn = torch.nn.MultiLabelSoftMarginLoss()
-    train_one_epoch(model, shard(warmup), opt, sched, scaler, loss_fn, trial(warmup), 1, 0)
+    train_one_epoch(model, shard(warmup), opt, sched, scaler, loss_fn, trial(warmup), 1, 0, precision)
     timed_shard = shard(steps)
     t0 = time.perf_counter()
-    sums = train_one_epoch(model, timed_shard, opt, sched, scaler, loss_fn, timed, 2, 0)
+    sums = train_one_epoch(model, timed_shard, opt, sched, scaler, loss_fn, timed, 2, 0, precision)
     float(sums["train_loss_sum"])  # the epoch's one sync
     rate = batch * steps / (time.perf_counter() - t0)
     if profile:
@@ -95,7 +97,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            train_one_epoch(model, shard(1), opt, sched, scaler, loss_fn, trial(1), 3, 0)
+            train_one_epoch(model, shard(1), opt, sched, scaler, loss_fn, trial(1), 3, 0, precision)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
     return rate
 
@@ -105,7 +107,7 @@ def run_child(args: list[str]) -> float:
     from raysweep.train_loop import worker_env
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    if args[0] == "raysweep":
+    if args[0].startswith("raysweep"):
         env.update(worker_env())  # what a raysweep worker process starts with
     proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -135,7 +137,8 @@ def main() -> int:
         if kind == "seed":
             rate = measure_seed(folder, batch, steps, workers, height, width, warmup)
         else:
-            rate = measure_raysweep(folder, batch, steps, height, width, warmup, profile="--profile" in sys.argv)
+            rate = measure_raysweep(folder, batch, steps, height, width, warmup, profile="--profile" in sys.argv,
+                                    precision="bf16" if kind == "raysweep-bf16" else "fp32")
         print(json.dumps({"images_per_s": rate}))
         return 0
 
@@ -146,7 +149,15 @@ def main() -> int:
         height, width, batches, repeats, warmup = 24, 64, {8: 2, 16: 2}, 1, 1
     else:
         height, width, batches, repeats, warmup = 60, 160, {64: 8, 512: 3}, a.repeats, 3
-    configs = [(kind, b, nw) for b in batches for kind, nw in (("seed", 0), ("seed", 2), ("raysweep", 0))]
+    import torch
+
+    from raysweep.train_loop import resolve_precision
+
+    # the ratio is fp32 against fp32; where `precision: auto` picks bf16 on this CPU, a row shows that too
+    kinds = [("seed", 0), ("seed", 2), ("raysweep", 0)]
+    if resolve_precision("auto", torch.device("cpu")) == "bf16":
+        kinds.append(("raysweep-bf16", 0))
+    configs = [(kind, b, nw) for b in batches for kind, nw in kinds]
     with tempfile.TemporaryDirectory() as tmp:
         n_images = max(b * max(s, warmup) for b, s in batches.items())
         write_captcha_folder(Path(tmp), n_images, CHARSET, 4, width, height)
@@ -155,11 +166,11 @@ def main() -> int:
             for kind, b, nw in configs:  # alternate within each repetition
                 extra = ["--profile"] if (a.profile and kind == "raysweep" and rep == 0 and b == max(batches)) else []
                 rates[(kind, b, nw)].append(run_child([kind, tmp, str(b), str(batches[b]), str(nw), str(height), str(width), str(warmup), *extra]))
-                print(f"  rep {rep + 1}/{repeats} {kind:8s} batch {b:4d} workers {nw}: {rates[(kind, b, nw)][-1]:8.1f} images/s",
+                print(f"  rep {rep + 1}/{repeats} {kind:13s} batch {b:4d} workers {nw}: {rates[(kind, b, nw)][-1]:8.1f} images/s",
                       file=sys.stderr, flush=True)
     print(f"loop_vs_seed on {machine()}; images {width}×{height}, medians of {repeats} alternating repetitions, "
           f"{warmup} warm-up steps each")
-    print(f"{'loop':10s} {'batch':>6s} {'loader workers':>15s} {'images/s':>10s} {'vs best seed':>13s}")
+    print(f"{'loop':13s} {'batch':>6s} {'loader workers':>15s} {'images/s':>10s} {'vs best seed':>13s}")
     ratio = 0.0
     for b in batches:
         best_seed = max(statistics.median(rates[("seed", b, nw)]) for nw in (0, 2))
@@ -167,7 +178,7 @@ def main() -> int:
             if bb != b:
                 continue
             med = statistics.median(rates[(kind, b, nw)])
-            print(f"{kind:10s} {b:6d} {nw if kind == 'seed' else '-':>15} {med:10.1f} {med / best_seed:12.2f}×")
+            print(f"{kind:13s} {b:6d} {nw if kind == 'seed' else '-':>15} {med:10.1f} {med / best_seed:12.2f}×")
             if kind == "raysweep":
                 ratio = med / best_seed
     print(f"RESULT loop_vs_seed ratio={ratio:.3f}")

@@ -210,7 +210,7 @@ class ScalingConfig(_Section):
 class TrainConfig(_Section):
     epochs: PosInt = Field(6, description="epochs per trial")
     precision: Precision = Field(
-        "auto", description="autocast dtype: fp32, bf16, fp16 (adds a GradScaler), or auto: bf16 on GPUs that support it, else fp32"
+        "auto", description="autocast dtype: fp32, bf16, fp16 (adds a GradScaler), or auto: bf16 on GPUs that support it and on CPUs with AVX512-BF16 or AMX, else fp32"
     )
     compile: bool = Field(False, description="torch.compile the model (no gain measured on CPU; see benchmarks)")
     lr_rule: LrRule = Field("sqrt", description="peak_lr = base_lr × (global/reference)^p; p = 1, ½ or 0")

@@ -19,9 +19,15 @@ def _run(script: str) -> str:
 
 
 def test_loop_vs_seed_quick():
+    import torch
+
+    from raysweep.train_loop import resolve_precision
+
     out = _run("loop_vs_seed.py")
-    assert "loop        batch  loader workers   images/s  vs best seed" in out
+    assert "loop           batch  loader workers   images/s  vs best seed" in out
     assert len([ln for ln in out.splitlines() if ln.startswith(("seed ", "raysweep "))]) == 6
+    bf16_rows = len([ln for ln in out.splitlines() if ln.startswith("raysweep-bf16 ")])
+    assert bf16_rows == (2 if resolve_precision("auto", torch.device("cpu")) == "bf16" else 0)
 
 
 @pytest.mark.ray

@@ -121,3 +121,36 @@ def test_compile_trains_on_cpu():
     losses = [float(train_one_epoch(model, shard, opt, sched, torch.amp.GradScaler("cpu", enabled=False), loss_fn,
                                     trial, epoch, 0)["train_loss_sum"]) / 64 for epoch in (1, 2, 3)]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_auto_precision_on_cpu_follows_the_cpus_bf16_instructions():
+    """bf16 autocast ran 2× faster than fp32 with AVX512-BF16 and 3× slower without (benchmarks/RESULTS.md)."""
+    from pathlib import Path
+
+    from raysweep.train_loop import resolve_precision
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to check against")
+    flags = set(next(ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")).split(":")[1].split())
+    native = bool(flags & {"avx512_bf16", "amx_tile"})  # the kernel's word, independent of torch's probe
+    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
+    assert resolve_precision("fp16", torch.device("cpu")) == "fp16"  # explicit choices pass through
+
+
+def test_bf16_autocast_trains_on_cpu_like_fp32():
+    rng = np.random.default_rng(0)
+    arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))
+    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    trial = _trial()
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = CaptchaCNN(24, 64, 4, 36, dropout=0.0).to(memory_format=torch.channels_last)
+        opt = build_optimizer(model, trial.peak_lr, 0.0, "cpu")
+        sched = build_scheduler(opt, trial.peak_lr, 1e-6, 0, trial.total_steps)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        losses[precision] = [float(train_one_epoch(model, shard, opt, sched, scaler, torch.nn.MultiLabelSoftMarginLoss(),
+                                                   trial, epoch, 0, precision)["train_loss_sum"]) / 96 for epoch in (1, 2, 3)]
+    assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=0.02)  # same weights, same batches
+    assert losses["bf16"][-1] < losses["bf16"][0]
