@@ -23,6 +23,7 @@ ratio=<the same with a core spare>, RESULT ray_first_report_s value=<seconds>.
 
     python benchmarks/ray_overhead.py            # 64×24 images, 8 epochs, 3 repetitions (~5 min)
     python benchmarks/ray_overhead.py --quick    # seconds (CI)
+    python benchmarks/ray_overhead.py --timeline # which processes a trial starts, when, at what CPU cost
 """
 
 from __future__ import annotations
@@ -104,6 +105,54 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[lis
 CONFIGS = {"all cores": (2, 2048), "a core spare": (1, 1024)}  # name: (CPUs for the worker, images)
 
 
+def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
+    """One 1-epoch trial: every process that starts from fit() to the end, by its Ray title (last seen), with
+    its start time relative to fit() and the CPU seconds it used; then the first report. Polls every 50 ms
+    (the polling itself takes some CPU: figures a little above the benchmark's)."""
+    import threading
+
+    import psutil
+
+    def title(p):
+        cmd = " ".join(p.cmdline())
+        return cmd.split(" ")[0][:48] if cmd.startswith("ray::") else "(python worker starting)"
+
+    before = {p.pid for p in psutil.process_iter()}
+    seen: dict[int, list] = {}  # pid → [create_time, title, cpu seconds]
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            for p in psutil.process_iter():
+                if p.pid in before:
+                    continue
+                try:
+                    with p.oneshot():
+                        t = p.cpu_times()
+                        row = seen.setdefault(p.pid, [p.create_time(), "", 0.0])
+                        name = title(p)
+                        if name != "ray::IDLE" or not row[1]:
+                            row[1] = name
+                        row[2] = t.user + t.system
+                except psutil.Error:
+                    pass
+            done.wait(0.05)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    one_epoch = config.model_copy(update={"train": config.train.model_copy(update={"epochs": 1})})
+    t_fit = time.time()
+    thread.start()
+    _, _, first_epoch, _ = in_ray(one_epoch, data_ref, train_size, f"timeline-{label}", log)
+    done.set()
+    thread.join()
+    first = json.loads(log.read_text().splitlines()[0])["t"] - t_fit
+    print(f"timeline of a 1-epoch trial, {label} (0 s: the trainer is built and fit() called; processes started since):")
+    print(f"{'start s':>8s} {'CPU s':>6s}  process")
+    for created, name, cpu in sorted(seen.values()):
+        print(f"{created - t_fit:8.2f} {cpu:6.2f}  {name}")
+    print(f"{first:8.2f} {'':6s}  first report reaches the controller (the epoch itself {first_epoch:.2f} s)")
+
+
 def main() -> int:
     from raysweep.train_loop import worker_env
 
@@ -113,6 +162,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeline", action="store_true", help="only: which processes a trial starts, when, at what CPU cost (two trials)")
     a = p.parse_args()
     scale, epochs, repeats = (16, 3, 1) if a.quick else (1, 8, a.repeats)
 
@@ -132,6 +182,15 @@ def main() -> int:
         ray.init(num_cpus=2, **ray_init_kwargs())
         init_s = time.time() - t0
         refs = {name: ray.put(data) for name, (_, data) in setups.items()}
+        if a.timeline:
+            try:
+                config, data = setups["all cores"]
+                time.sleep(2)  # let the cluster's own start-up settle
+                for label in ("the first on this cluster", "a later one"):
+                    timeline(config, refs["all cores"], len(data.train), tmp / "stamps.jsonl", label)
+            finally:
+                ray.shutdown()
+            return 0
         try:
             for rep in range(repeats):
                 for name, (config, data) in setups.items():

@@ -45,3 +45,16 @@ def test_gpu_throughput_quick_checks_the_code_path_on_cpu():
     assert "MFLOP per image forward+backward" in out
     rows = [ln for ln in out.splitlines() if re.match(r"\s+(8|16)\s+(fp32|bf16)", ln)]
     assert len(rows) == 2 * 2 * 2  # batches × precisions × channels_last
+
+
+@pytest.mark.ray
+def test_ray_overhead_timeline_lists_the_processes_a_trial_starts():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ray_overhead.py"), "--quick", "--timeline"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tables = proc.stdout.split("timeline of a 1-epoch trial, ")[1:]
+    assert [t.split(" (")[0] for t in tables] == ["the first on this cluster", "a later one"]
+    for table in tables:
+        assert "ray::RayTrainWorker" in table and "ray::SynchronizationActor" in table
+        assert "first report reaches the controller" in table
+        assert "DatasetManager" not in table and "PreemptionWatcher" not in table
