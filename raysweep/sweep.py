@@ -33,8 +33,9 @@ def ray_env(worker_start_timeout_s: float) -> dict[str, str]:
     return {
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(int(math.ceil(worker_start_timeout_s))),
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-        # the controller polls workers' reports this often; each epoch's report waits for a poll
-        # (2 s by default: 1.3 s of every epoch here, benchmarks/ray_overhead.py)
+        # the controller collects workers' reports this often; a worker's report() blocks while its
+        # one-slot queue still holds the previous epoch's, so the poll must be shorter than an epoch
+        # (GPU epochs can be well under the 2 s default)
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
         # a watcher actor per trial (one more Python process to start on the path to the first
         # report) that polls for preempted nodes; raysweep's clusters are fixed machines, and a

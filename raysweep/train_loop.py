@@ -37,7 +37,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     """`auto` → bf16 where the hardware computes it natively (GPUs that support it; CPUs with AVX512-BF16
     or AMX), else fp32.
 
-    Measured on the CPU step (benchmarks/RESULTS.md): an AVX512-BF16 CPU ran bf16 autocast 2.0× faster
+    Measured on the CPU step (benchmarks/RESULTS.md): an AVX512-BF16 CPU ran bf16 autocast 2-2.5× faster
     than fp32 (batch 64-512, same loss to 0.1 %); an AVX2-only CPU ran it 3× slower, emulated.
     """
     if precision != "auto":
@@ -679,7 +679,8 @@ def _trainer_class():
     Train V2 starts that actor for every run whether or not it has datasets: a fresh Python process
     importing ray.data (about 1 s of CPU), started while the worker group sets up, on the path to
     the first report. raysweep's data travels as one object ref, never as Ray Datasets.
-    `tests/test_train_ray.py` checks the callback list, so a Ray upgrade that renames the hook fails there.
+    `tests/test_train_ray.py` checks that a trial starts no DatasetManager, so a Ray upgrade that renames
+    this private hook fails there.
     """
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
