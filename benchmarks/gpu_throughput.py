@@ -58,7 +58,7 @@ def measure(device, batch: int, precision: str, channels_last: bool, compiled: b
     from raysweep.data import CaptchaArrays
     from raysweep.model import CaptchaCNN
     from raysweep.optim import build_optimizer, build_scheduler
-    from raysweep.train_loop import LOSS_FN, Shard, train_one_epoch
+    from raysweep.train_loop import RankModel, Shard, train_one_epoch
 
     def trial(n_steps):
         return TrialConfig(
@@ -86,15 +86,16 @@ def measure(device, batch: int, precision: str, channels_last: bool, compiled: b
     opt = build_optimizer(model, 1e-3, 1e-4, device.type)
     sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * (steps + warmup))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    net = RankModel(step_model, model, opt, scaler, precision, device)
     cuda = device.type == "cuda"
-    train_one_epoch(step_model, shard(warmup), opt, sched, scaler, LOSS_FN, trial(warmup), 1, 0, precision)
+    train_one_epoch(net, shard(warmup), sched, trial(warmup), 1, 0)
     timed_shard = shard(steps)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    sums = train_one_epoch(step_model, timed_shard, opt, sched, scaler, LOSS_FN, trial(steps), 2, 0, precision)
-    float(sums["train_loss_sum"])  # synchronizes
+    sums = train_one_epoch(net, timed_shard, sched, trial(steps), 2, 0)
+    float(sums.loss_sum)  # synchronizes
     elapsed = time.perf_counter() - t0
     alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0

@@ -61,7 +61,8 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
     from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
     from raysweep.data import CaptchaArrays, read_folder
     from raysweep.optim import build_optimizer, build_scheduler
-    from raysweep.train_loop import Shard, build_model, keep_host_memory, train_one_epoch
+    from raysweep.model import build_model
+    from raysweep.train_loop import RankModel, Shard, keep_host_memory, train_one_epoch
 
     keep_host_memory(torch.device("cpu"))  # what a raysweep CPU worker does first
     arrays = read_folder(Path(folder), CHARSET, 4, width, height, progress=False)  # decoded once, outside the loop
@@ -81,30 +82,29 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
 
     timed = trial(steps)
     torch.manual_seed(0)
-    model = build_model(timed)
+    model = build_model(timed.image, timed.model.dropout)
     opt = build_optimizer(model, 1e-3, 1e-4, "cpu")
     sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * steps)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_fn = torch.nn.MultiLabelSoftMarginLoss()
-    train_one_epoch(model, shard(warmup), opt, sched, scaler, loss_fn, trial(warmup), 1, 0, precision)
+    net = RankModel(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), precision, torch.device("cpu"))
+    train_one_epoch(net, shard(warmup), sched, trial(warmup), 1, 0)
     timed_shard = shard(steps)
     t0 = time.perf_counter()
-    sums = train_one_epoch(model, timed_shard, opt, sched, scaler, loss_fn, timed, 2, 0, precision)
-    float(sums["train_loss_sum"])  # the epoch's one sync
+    sums = train_one_epoch(net, timed_shard, sched, timed, 2, 0)
+    float(sums.loss_sum)  # the epoch's one sync
     rate = batch * steps / (time.perf_counter() - t0)
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            train_one_epoch(model, shard(1), opt, sched, scaler, loss_fn, trial(1), 3, 0, precision)
+            train_one_epoch(net, shard(1), sched, trial(1), 3, 0)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
     return rate
 
 
 def run_child(args: list[str]) -> float:
     """One measurement in a fresh interpreter; returns images/s."""
-    from raysweep.train_loop import worker_env
+    from raysweep.cluster import worker_env
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     if args[0].startswith("raysweep"):

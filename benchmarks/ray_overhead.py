@@ -84,7 +84,7 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[lis
     time, the worker's own epoch times from epoch 2 on)."""
     import ray.train
 
-    from raysweep.train_loop import make_trainer
+    from raysweep.cluster import make_trainer
 
     class Stamp(ray.train.UserCallback):
         def after_report(self, run_context, metrics, checkpoint):
@@ -154,7 +154,7 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
 
 
 def main() -> int:
-    from raysweep.train_loop import worker_env
+    from raysweep.cluster import worker_env
 
     if os.environ.get("GLIBC_TUNABLES") != worker_env()["GLIBC_TUNABLES"]:
         # the bare loop must run in the environment a raysweep worker starts with
@@ -169,7 +169,7 @@ def main() -> int:
     import ray
 
     from raysweep.data import load_data
-    from raysweep.sweep import ray_init_kwargs
+    from raysweep.cluster import ray_init_kwargs
 
     runs = {name: {"bare": [], "ray": [], "own": [], "first": [], "first_epoch": []} for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:

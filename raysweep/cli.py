@@ -42,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU workers: a batch fits only if its peak RSS stays under this (CPU has no allocator limit)")
     p.set_defaults(func=cmd_probe)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
-    p.add_argument("spec")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _common(p)
     p.set_defaults(func=cmd_check)
     return parser
 
@@ -63,7 +62,7 @@ def cmd_train(args) -> int:
     from raysweep import sweep
     from raysweep.config import load_config
 
-    config = load_config(args.spec, args.overrides)
+    config = load_config(args.spec, args.overrides, sweep=False)  # one trial, no ASHA
     return sweep.run(config, single=True, address=args.address, verbose=args.verbose)
 
 
@@ -71,35 +70,30 @@ def cmd_probe(args) -> int:
     from raysweep import probe
     from raysweep.config import load_config
 
-    config = load_config(args.spec, args.overrides)
+    config = load_config(args.spec, args.overrides, sweep=False)
     return probe.run(config, address=args.address, start=args.start, max_batch=args.max_batch, margin=args.margin,
                      max_memory_gb=args.max_memory_gb, verbose=args.verbose)
 
 
 def cmd_check(args) -> int:
-    from raysweep.config import load_config, spec_yaml
+    from raysweep.config import load_config
+    from raysweep.console import print_check
 
-    config = load_config(args.spec, args.overrides)
-    print(spec_yaml(config), end="")
-    n = config.data.synthetic.train_size if config.data.train_dir is None else None
-    trial = config.trial({}, n or 1)
-    print("# derived at the defaults" + ("" if n else " (train size unknown until the folder is read: steps assume 1)"))
-    for key in ("global_batch_size", "peak_lr", "steps_per_epoch", "warmup_steps", "total_steps"):
-        print(f"#   {key}: {getattr(trial, key):.6g}")
+    print_check(load_config(args.spec, args.overrides))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.__dict__.get("address"):
+    if not args.address:
         # Ray reads this when first imported: explicit token auth for the local cluster raysweep starts
         # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     # Tune's new console engine prints its own boxes even at verbose=0; raysweep prints progress itself
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    logging.basicConfig(level=logging.INFO if args.__dict__.get("verbose") else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not args.__dict__.get("verbose"):
+    if not args.verbose:
         # MLflow sets its loggers up on import from this variable ("Creating initial MLflow database tables...")
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     try:

@@ -157,6 +157,15 @@ def knob_largest(knob) -> Any:
     return knob.largest() if isinstance(knob, BaseModel) else knob
 
 
+def _extremes(knob) -> list:
+    """Smallest and largest value of a searched knob ([] when it is not searched)."""
+    if isinstance(knob, Choice):
+        return sorted({min(knob.choice), max(knob.choice)})
+    if isinstance(knob, _Range):
+        return sorted(set(knob.bounds()))
+    return []
+
+
 # ---------------------------------------------------------------------------------------------
 # The spec's sections.
 
@@ -296,22 +305,47 @@ class SweepConfig(_Section):
     tune: TuneSection = TuneSection()
     mlflow: MlflowSection = MlflowSection()
 
-    @model_validator(mode="after")
-    def _cross_checks(self):
+    def sweep_problem(self) -> str | None:
+        """What makes this spec unfit for `tune` (ASHA's settings against the epochs and warmup), or None.
+
+        `train` runs no ASHA, so it never asks: a user shortening a run with `--set train.epochs=2`
+        need not know about ASHA.
+        """
         asha = self.tune.asha
-        max_t = asha.max_t or self.train.epochs
+        max_t = self.max_t
         if max_t > self.train.epochs:
-            raise ValueError(f"tune.asha.max_t {max_t} exceeds train.epochs {self.train.epochs}; lower max_t")
+            return f"tune.asha.max_t: {max_t} exceeds train.epochs {self.train.epochs}; lower max_t or leave it unset"
         if asha.grace_period > max_t:
-            raise ValueError(f"tune.asha.grace_period {asha.grace_period} exceeds max_t {max_t}; lower it")
+            return (f"tune.asha.grace_period: {asha.grace_period} exceeds max_t {max_t} (train.epochs unless "
+                    f"tune.asha.max_t is set); lower grace_period")
         warmup = knob_largest(self.search.warmup_epochs)
         if asha.grace_period < warmup and not asha.allow_grace_within_warmup:
-            raise ValueError(
-                f"tune.asha.grace_period {asha.grace_period} is shorter than the largest warmup_epochs "
-                f"in the search ({warmup:g}): a trial cut during warmup was never judged; raise grace_period "
-                f"or set tune.asha.allow_grace_within_warmup: true"
-            )
-        return self
+            return (f"tune.asha.grace_period: {asha.grace_period} is shorter than the largest warmup_epochs "
+                    f"in the search ({warmup:g}): a trial cut during warmup was never judged; raise grace_period "
+                    f"or set tune.asha.allow_grace_within_warmup: true")
+        return None
+
+    def check_data_fits(self, train_size: int, batch_cap: int | None = None, searched: bool = True) -> None:
+        """Every rank's shard must fill its micro-batches (`epoch_plan` needs one sample each at least).
+
+        Checks the extremes of the search (smallest and largest per-GPU batch × fewest and most
+        accumulation steps), or the defaults alone when not `searched`. Raises a one-line UserError.
+        """
+        knobs = self.searched() if searched else {}
+        batches = _extremes(knobs.get("per_gpu_batch_size")) or [self.default_knobs()["per_gpu_batch_size"]]
+        accums = _extremes(knobs.get("grad_accum_steps")) or [self.default_knobs().get("grad_accum_steps",
+                                                                                    self.train.grad_accum_steps)]
+        for batch in batches:
+            for accum in accums:
+                t = self.trial({"per_gpu_batch_size": batch, "grad_accum_steps": accum}, train_size, batch_cap)
+                if t.min_shard_size < t.micro_batches_per_epoch:
+                    raise UserError(
+                        f"data: {train_size} training images give each of {t.world_size} workers {t.min_shard_size}, "
+                        f"too few for {t.micro_batches_per_epoch} micro-batches per epoch (per-GPU batch {batch} × "
+                        f"{t.accumulation_steps} accumulation steps, global batch {t.global_batch_size}); use more "
+                        f"training images (data.synthetic.train_size or data.train_dir), or fewer scaling.num_workers "
+                        f"or grad_accum_steps"
+                    )
 
     @property
     def max_t(self) -> int:
@@ -436,6 +470,16 @@ class TrialConfig(_Section):
         """Micro-batches per optimizer step on one rank."""
         return self.knobs.grad_accum_steps * self.micro_splits
 
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Forward/backward passes per rank per epoch: every rank makes the same number."""
+        return self.steps_per_epoch * self.accumulation_steps
+
+    @property
+    def min_shard_size(self) -> int:
+        """Training samples of the smallest rank's shard (shards differ by at most one)."""
+        return self.train_size // self.world_size
+
     def downshifted(self) -> TrialConfig:
         """Half the micro-batch, twice the accumulation: the same global batch, LR and steps."""
         return self.model_copy(update={"micro_splits": self.micro_splits * 2})
@@ -484,8 +528,8 @@ def parse_yaml(text: str, source: str) -> Any:
         raise UserError(f"{source}:{where}: invalid YAML: {problem}") from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
-    """Read a spec file, apply `--set dotted.key=value` overrides, validate."""
+def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True) -> SweepConfig:
+    """Read a spec file, apply `--set dotted.key=value` overrides, validate (`sweep`: for `tune` too)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such spec file (see search_spaces/ for examples)")
@@ -503,6 +547,9 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
     except ValidationError as e:
         raise UserError(_describe(e, str(path), overridden)) from None
     _check_paths(config, str(path))
+    problem = config.sweep_problem() if sweep else None
+    if problem:
+        raise UserError(f"{_source(str(path), problem.split(':', 1)[0], overridden)}: {problem}")
     return config
 
 
@@ -574,15 +621,21 @@ def _model_in(annotation) -> Any:
     return None
 
 
+def _source(source: str, key: str, overridden: dict[str, str]) -> str:
+    """The file, plus the `--set` that wrote `key` (or a section above it), if one did."""
+    for dotted, item in overridden.items():
+        if key == dotted or key.startswith(dotted + ".") or key.startswith(dotted + "["):
+            source = f"{source} (--set {item})"
+    return source
+
+
 def _describe(error: ValidationError, source: str, overridden: dict[str, str]) -> str:
     """One line for the first validation error: where, what, the value, the fix."""
     errors = error.errors()
     err = errors[0]
     loc, value, kind = err["loc"], err.get("input"), err["type"]
     key = _dotted(loc)
-    for dotted, item in overridden.items():
-        if key == dotted or key.startswith(dotted + ".") or key.startswith(dotted + "["):
-            source = f"{source} (--set {item})"
+    source = _source(source, key, overridden)
     if kind == "extra_forbidden":
         name = loc[-1]
         valid = _fields_at(loc[:-1])

@@ -14,13 +14,12 @@ import logging
 import multiprocessing
 import os
 import random
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from raysweep.console import Progress
 from raysweep.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -251,40 +250,3 @@ def write_captcha_folder(folder: Path, count: int, charset: str, length: int, wi
         render_captcha(generator, text, rng).save(path)
         paths.append(path)
     return paths
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A one-line progress bar on stderr (a line every 10 % when stderr is not a terminal)."""
-
-    def __init__(self, label: str, total: int, enabled: bool = True):
-        self.label, self.total, self.done = label, total, 0
-        self.enabled = enabled and total > 0
-        self.tty = sys.stderr.isatty()
-        self.start = self.last = time.monotonic()
-        self.last_decile = -1
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        decile = self.done * 10 // self.total
-        if (self.tty and now - self.last > 0.2) or (not self.tty and decile > self.last_decile):
-            self._print(now)
-            self.last, self.last_decile = now, decile
-
-    def _print(self, now: float) -> None:
-        rate = self.done / max(now - self.start, 1e-9)
-        eta = (self.total - self.done) / rate if rate > 0 else 0
-        width = 30
-        filled = width * self.done // self.total
-        line = f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:,.0f}/s eta {eta:.0f}s"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self._print(time.monotonic())
-            print(file=sys.stderr, flush=True)

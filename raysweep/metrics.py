@@ -1,22 +1,128 @@
-"""Metric names: API (MLflow keys, Tune metrics, summary columns). Listed once, here."""
+"""Metric and param names (API: MLflow keys, Tune metrics, summary columns), listed once, here; the
+typed records that carry them; and the one rule that reads a trial's outcome.
 
-# Reported once per epoch by every trial, reduced across ranks (sums, or max for the *_max / memory ones).
-EPOCH_METRICS = {
-    "epoch": "epochs completed (1-based); ASHA's time attribute and the MLflow step",
-    "samples_seen": "training samples consumed so far, all ranks",
-    "train_loss": "mean multi-label soft-margin loss over the epoch's training samples",
-    "val_loss": "mean loss on the validation split",
-    "val_exact_acc": "share of validation captchas with every character right",
-    "val_char_acc": "share of validation characters right",
-    "lr": "learning rate after the epoch's last optimizer step",
-    "grad_norm": "mean pre-clip global gradient norm over the epoch's optimizer steps",
-    "grad_norm_max": "largest pre-clip global gradient norm in the epoch",
-    "clip_fraction": "share of optimizer steps whose norm exceeded train.grad_clip",
-    "epoch_time_s": "wall seconds of the epoch (train + validation), slowest rank",
-    "samples_per_s": "global training throughput: samples ÷ slowest rank's training seconds",
-    "peak_mem_allocated_gb": "CUDA allocator peak allocated in the epoch, max over ranks (0 on CPU)",
-    "peak_mem_reserved_gb": "CUDA allocator peak reserved in the epoch, max over ranks (0 on CPU)",
-    "rss_gb": "resident memory of the worker process at epoch end, max over ranks",
-}
-METRIC_NAMES = tuple(EPOCH_METRICS)
+Imports nothing from raysweep and nothing heavy: the worker, the driver and the console all use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EpochMetrics:
+    """One epoch of one trial, reduced across ranks (sums, or max for the *_max / memory / time ones)."""
+
+    epoch: int  # epochs completed (1-based); ASHA's time attribute and the MLflow step
+    samples_seen: int  # training samples consumed so far, all ranks
+    train_loss: float  # mean multi-label soft-margin loss over the epoch's training samples
+    val_loss: float  # mean loss on the validation split
+    val_exact_acc: float  # share of validation captchas with every character right
+    val_char_acc: float  # share of validation characters right
+    lr: float  # learning rate after the epoch's last optimizer step
+    grad_norm: float  # mean pre-clip global gradient norm over the epoch's optimizer steps
+    grad_norm_max: float  # largest pre-clip global gradient norm in the epoch
+    clip_fraction: float  # share of optimizer steps whose norm exceeded train.grad_clip
+    epoch_time_s: float  # wall seconds of the epoch (train + validation), slowest rank
+    samples_per_s: float  # global training throughput: samples ÷ slowest rank's training seconds
+    peak_mem_allocated_gb: float  # CUDA allocator peak allocated in the epoch, GiB, max over ranks (0 on CPU)
+    peak_mem_reserved_gb: float  # CUDA allocator peak reserved in the epoch, GiB, max over ranks (0 on CPU)
+    rss_gb: float  # resident memory of the worker process at epoch end, GiB, max over ranks
+
+
+@dataclass(frozen=True)
+class WorkerParams:
+    """What only the workers know (after their start-up probe step): logged as MLflow params once."""
+
+    device_name: str  # e.g. "NVIDIA A100-SXM4-80GB" or "cpu (1 threads)"
+    precision_used: str  # train.precision resolved (auto → bf16 or fp32)
+    micro_batch_size: int  # samples per forward/backward on one rank
+    accumulation_steps: int  # micro-batches per optimizer step on one rank
+    oom_downshifts: int  # times the start-up probe halved the micro-batch
+
+
+METRIC_NAMES = tuple(f.name for f in fields(EpochMetrics))
+WORKER_PARAMS = tuple(f.name for f in fields(WorkerParams))
 RANKABLE_METRICS = ("val_loss", "val_exact_acc", "val_char_acc", "train_loss")
+
+
+def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:
+    """The one dict handed to `ray.train.report`: plain numbers and strings, named as above."""
+    return {**asdict(metrics), **asdict(params)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading trials on the driver
+
+
+def outcome(epoch: int, max_t: int, errored: bool) -> str:
+    """How a trial that is no longer running ended: failed, finished (reached max_t) or pruned (cut by ASHA)."""
+    if errored:
+        return "failed"
+    return "finished" if epoch >= max_t else "pruned"
+
+
+@dataclass(frozen=True)
+class TrialView:
+    """A Tune trial (live `Trial` or a `Result` of the grid) as the driver reads it."""
+
+    trial_id: str
+    status: str  # pending | running | paused | finished | pruned | failed
+    config: dict  # the sampled knobs (Tune's flat dict)
+    last: dict  # the last reported result ({} before the first)
+    error: str | None = None  # failed: the most telling line of the error
+
+    @property
+    def epoch(self) -> int:
+        return int(self.last.get("epoch", 0))
+
+    def value(self, name: str) -> float | None:
+        """The last reported value of a metric, or None."""
+        value = self.last.get(name)
+        return None if value is None else float(value)
+
+    @classmethod
+    def of_trial(cls, trial, max_t: int, ended: str | None = None) -> TrialView:
+        """From a live `ray.tune.experiment.Trial`. `ended`: "complete" or "error" inside those Tune
+        callbacks, which run while the trial's status still says RUNNING."""
+        last = dict(trial.last_result or {})
+        status = trial.status.lower()
+        errored = ended == "error" if ended else status == "error"
+        if ended or status in ("terminated", "error"):
+            status = outcome(int(last.get("epoch", 0)), max_t, errored)
+        return cls(trial.trial_id, status, dict(trial.config), last, _trial_error_line(trial) if errored else None)
+
+    @classmethod
+    def of_result(cls, result, max_t: int) -> TrialView:
+        """From a `ray.tune.Result` of `Tuner.fit()`'s grid."""
+        last = dict(result.metrics or {})
+        status = outcome(int(last.get("epoch", 0)), max_t, result.error is not None)
+        error = error_line(str(result.error)) if result.error is not None else None
+        return cls(str(last.get("trial_id", "?")), status, dict(result.config or {}), last, error)
+
+
+def error_line(text: str) -> str:
+    """The most telling line of an error text (the root cause, not Tune's wrapper)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):  # the innermost exception's message comes last
+        line = lines[i]
+        if ("Error" in line or "Exception" in line) and ":" in line and not line.startswith("File "):
+            if line.endswith(":") and i + 1 < len(lines):  # "...controller error:" + the reason below
+                line = f"{line} {lines[i + 1]}"
+            return line
+    return lines[-1] if lines else "unknown error"
+
+
+def _trial_error_line(trial) -> str:
+    """A live trial's error: Tune keeps the full traceback in the trial's error file."""
+    from pathlib import Path
+
+    text = ""
+    try:
+        error_file = getattr(trial, "error_file", None)
+        if error_file and Path(error_file).is_file():
+            text = Path(error_file).read_text()
+    except OSError:
+        pass
+    return error_line(text or str(getattr(trial, "error_msg", "") or ""))

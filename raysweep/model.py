@@ -154,3 +154,12 @@ class CaptchaCNN(nn.Module):
         else:
             h = torch.relu(h)
         return self.fc2(h)
+
+
+def build_model(image, dropout: float) -> CaptchaCNN:
+    """The CNN for images of `image` (width, height, length, num_classes: config.ImageSpec), channels_last.
+
+    NHWC is oneDNN's and cuDNN's fast conv layout (1.3× on the CPU step here, benchmarks/RESULTS.md).
+    """
+    model = CaptchaCNN(image.height, image.width, image.length, image.num_classes, dropout)
+    return model.to(memory_format=torch.channels_last)

@@ -10,8 +10,7 @@ the storage path, and to MLflow as a run of its own with a plot.
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -19,38 +18,41 @@ from raysweep.config import SweepConfig
 from raysweep.errors import UserError
 
 
+@dataclass(frozen=True)
+class ProbeOptions:
+    """What the probe's workers need beyond the trial (crosses the Ray boundary as a dict)."""
+
+    start: int  # first per-GPU batch tried
+    max_batch: int  # stop doubling here
+    max_memory_gb: float | None  # CPU workers: a batch fits only if its peak RSS stays under this
+    output_file: str  # rank 0 writes the table here (JSON)
+
+
 def probe_worker(config: dict) -> None:
     """Every rank: candidate batch sizes in lockstep (each outcome is agreed by all-reduce)."""
+    import dataclasses
+
     import ray.train
     import ray.train.torch
-    import torch
 
     from raysweep.config import TrialConfig
-    from raysweep.optim import build_optimizer
-    from raysweep.train_loop import _device_name, build_model, probe_step, resolve_precision
+    from raysweep.train_loop import RankModel, device_name, probe_step
 
-    trial = TrialConfig.from_dict(config["trial"])
-    opts = config["probe"]
+    trial, opts = TrialConfig.from_dict(config["trial"]), ProbeOptions(**config["probe"])
     ctx = ray.train.get_context()
     device = ray.train.torch.get_device()
-    torch.manual_seed(trial.train.seed)
-    model = ray.train.torch.prepare_model(build_model(trial))  # DDP's buckets count too
-    core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
-    precision = resolve_precision(trial.train.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    net = RankModel.build(trial, device, wrap=ray.train.torch.prepare_model)  # DDP's buckets count too
     results = []
 
     def fits(batch: int) -> bool:
-        r = probe_step(core, optimizer, scaler, trial, batch, device, precision)
-        if device.type == "cpu" and opts["max_memory_gb"] is not None:
-            r["fits"] = r["fits"] and r["peak_rss_gb"] <= opts["max_memory_gb"]  # CPU: no allocator limit
-        r["images_per_s"] = batch * ctx.get_world_size() / r["step_time_s"] if r["fits"] else 0.0
-        results.append(r)
-        return r["fits"]
+        r = probe_step(net, trial, batch)
+        ok = r.fits and (device.type != "cpu" or opts.max_memory_gb is None or r.peak_rss_gb <= opts.max_memory_gb)
+        rate = batch * ctx.get_world_size() / r.step_time_s if ok else 0.0
+        results.append(dataclasses.replace(r, fits=ok, images_per_s=rate))
+        return ok
 
-    last_fit, first_oom, batch = None, None, opts["start"]
-    while batch <= opts["max_batch"]:
+    last_fit, first_oom, batch = None, None, opts.start
+    while batch <= opts.max_batch:
         if not fits(batch):
             first_oom = batch
             break
@@ -62,15 +64,16 @@ def probe_worker(config: dict) -> None:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         last_fit = lo
     if ctx.get_world_rank() == 0:
-        out = Path(config["output_file"])
+        out = Path(opts.output_file)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"results": results, "largest": last_fit, "world_size": ctx.get_world_size(),
-                                   "device_name": _device_name(device), "precision": precision}, indent=1))
+        out.write_text(json.dumps({"results": [asdict(r) for r in results], "largest": last_fit,
+                                   "world_size": ctx.get_world_size(), "device_name": device_name(device),
+                                   "precision": net.precision}, indent=1))
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    rows: list[dict]
+    rows: list  # train_loop.ProbeStep, by per-GPU batch
     largest: int | None
     recommended: int | None
     limit_gb: float
@@ -84,85 +87,25 @@ class ProbeResult:
 def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: float = 0.1,
           max_memory_gb: float | None = None) -> ProbeResult:
     """Run the probe on the connected Ray cluster; returns the table and the recommendation."""
-    from raysweep.train_loop import make_trainer, worker_env
+    from raysweep.cluster import make_trainer, worker_env
+    from raysweep.train_loop import ProbeStep
 
     trial = config.trial(config.default_knobs(), train_size=1)
     storage = config.storage_path.expanduser().resolve() / config.name / "probe"
     name = f"probe-{datetime.now():%Y%m%d-%H%M%S}"
     out = storage / name / "probe.json"
-    opts = {"start": start, "max_batch": max_batch, "max_memory_gb": max_memory_gb}
+    opts = ProbeOptions(start, max_batch, max_memory_gb, str(out))
     make_trainer(trial, None, str(storage), name, env=worker_env(), worker_fn=probe_worker,
-                 extra_config={"probe": opts, "output_file": str(out)}).fit()
+                 extra_config={"probe": asdict(opts)}).fit()
     data = json.loads(out.read_text())
-    rows = sorted(data["results"], key=lambda r: r["per_gpu_batch_size"])
+    rows = sorted((ProbeStep(**r) for r in data["results"]), key=lambda r: r.per_gpu_batch_size)
     gpu = config.scaling.use_gpu
     memory_key = "peak_mem_reserved_gb" if gpu else "peak_rss_gb"
-    capacity = rows[0]["device_memory_gb"] if gpu else (max_memory_gb or rows[0]["device_memory_gb"] / data["world_size"])
+    capacity = rows[0].device_memory_gb if gpu else (max_memory_gb or rows[0].device_memory_gb / data["world_size"])
     limit = capacity * (1 - margin)
-    safe = [r["per_gpu_batch_size"] for r in rows if r["fits"] and r[memory_key] <= limit]
+    safe = [r.per_gpu_batch_size for r in rows if r.fits and getattr(r, memory_key) <= limit]
     return ProbeResult(rows, data["largest"], max(safe) if safe else None, limit, memory_key, data["device_name"],
                        data["precision"], data["world_size"], out)
-
-
-def report(result: ProbeResult, config: SweepConfig, tracking_uri: str, margin: float) -> None:
-    """Console table, and the MLflow run (metrics per batch, JSON and a PNG plot)."""
-    from raysweep.sweep import format_table
-
-    rows = [[str(r["per_gpu_batch_size"]), "yes" if r["fits"] else "OOM", f"{r['peak_mem_allocated_gb']:.2f}",
-             f"{r['peak_mem_reserved_gb']:.2f}", f"{r['peak_rss_gb']:.2f}", f"{r['step_time_s']:.3f}",
-             f"{r['images_per_s']:,.0f}"] for r in result.rows]
-    print(f"probe: {result.world_size} workers on {result.device_name}, {result.precision}, one full step per batch")
-    print(format_table(("per_gpu_batch", "fits", "alloc_gib", "reserved_gib", "rss_gib", "step_s", "images/s"), rows))
-    print(f"largest per-GPU batch that fits: {result.largest}")
-    print(f"recommended: {result.recommended} ({result.memory_key} ≤ {result.limit_gb:.2f} GiB, a {margin:.0%} margin)")
-    print(f"table: {result.path}")
-    _log_mlflow(result, config, tracking_uri, margin)
-
-
-def _log_mlflow(result: ProbeResult, config: SweepConfig, tracking_uri: str, margin: float) -> None:
-    import tempfile
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from mlflow.entities import Metric, Param
-
-    from raysweep import tracking
-    from raysweep.config import spec_yaml
-
-    experiment_id, run_id = tracking.open_sweep(
-        tracking_uri, config.experiment_name, run_name=f"probe {datetime.now():%Y-%m-%d %H:%M:%S}",
-        tags={"raysweep.kind": "probe"}, spec_text=spec_yaml(config))
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    now = int(time.time() * 1000)
-    keys = ("peak_mem_allocated_gb", "peak_mem_reserved_gb", "peak_rss_gb", "step_time_s", "images_per_s")
-    metrics = [Metric(k, float(r[k]), now, r["per_gpu_batch_size"]) for r in result.rows for k in keys]
-    metrics += [Metric("fits", float(r["fits"]), now, r["per_gpu_batch_size"]) for r in result.rows]
-    params = {"world_size": result.world_size, "device_name": result.device_name, "precision": result.precision,
-              "largest_per_gpu_batch": result.largest, "recommended_per_gpu_batch": result.recommended,
-              "margin": margin, "memory_limit_gb": round(result.limit_gb, 3)}
-    client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
-    client.log_artifact(run_id, str(result.path))
-    fig, (ax_mem, ax_rate) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [r["per_gpu_batch_size"] for r in result.rows]
-    for ax, key, label in ((ax_mem, result.memory_key, "peak memory (GiB)"), (ax_rate, "images_per_s", "images/s")):
-        ax.scatter(xs, [r[key] for r in result.rows], c=["tab:green" if r["fits"] else "tab:red" for r in result.rows])
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("per-GPU batch")
-        ax.set_ylabel(label)
-    ax_mem.axhline(result.limit_gb, color="grey", linestyle="--", label="limit after margin")
-    ax_mem.legend()
-    fig.suptitle(f"probe: {result.world_size} × {result.device_name}, {result.precision} (red: OOM)")
-    fig.tight_layout()
-    with tempfile.TemporaryDirectory() as d:
-        png = Path(d) / "probe.png"
-        fig.savefig(png, dpi=100)
-        client.log_artifact(run_id, str(png))
-    plt.close(fig)
-    client.set_terminated(run_id, status="FINISHED")
 
 
 def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int, margin: float,
@@ -170,8 +113,9 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
     """The `probe` command. Exit 0 when some batch fits, 1 when none does."""
     import ray
 
-    from raysweep import tracking
-    from raysweep.sweep import connect, plan_concurrency
+    from raysweep import console, tracking
+    from raysweep.cluster import connect, plan_concurrency
+    from raysweep.config import spec_yaml
 
     if not 0 <= margin < 1:
         raise UserError(f"--margin {margin}: expected a fraction in [0, 1), e.g. 0.1")
@@ -182,7 +126,8 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
     try:
         plan_concurrency(ray.cluster_resources(), config, 1)  # one trial's workers must fit
         result = probe(config, start, max_batch, margin, max_memory_gb)
-        report(result, config, tracking_uri, margin)
+        console.print_probe(result, margin)
+        tracking.log_probe(result, spec_yaml(config), config.experiment_name, tracking_uri, margin)
         return 0 if result.largest else 1
     finally:
         if started:

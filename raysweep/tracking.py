@@ -1,17 +1,20 @@
-"""MLflow, written by the driver alone: the sweep's parent run and a child run per trial."""
+"""Every MLflow write, by the driver alone: the sweep's parent run, a child run per trial, the probe's run.
+
+`mlflow` and `ray.tune` are imported inside the functions that need them, so importing this module
+stays instant (`--help`, `check`).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime
 from pathlib import Path
 
 from raysweep.errors import UserError
-from raysweep.metrics import METRIC_NAMES
+from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, TrialView
 
 log = logging.getLogger(__name__)
-
-from ray.tune import Callback as _TuneCallback  # imported by sweep.py only, never by config or cli
 
 
 def resolve_tracking_uri(uri: str | None, cwd: Path | None = None) -> str:
@@ -55,94 +58,112 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
     return experiment_id, run.info.run_id
 
 
-class MLflowSweepCallback(_TuneCallback):
-    """All MLflow writing of a sweep, on the driver: one child run per trial under the parent.
+def resumed_parent(tracking_uri: str, experiment_path: Path) -> tuple[str, str]:
+    """The parent run of the sweep stored at `experiment_path`, set RUNNING again: (experiment_id, run_id)."""
+    from mlflow.tracking import MlflowClient
 
-    params at trial start (knobs + derived), metrics per report with step = epoch, and the final
-    status: FINISHED (reached max_t), KILLED + stopped_by=asha (cut early), FAILED + error tag.
-    Run ids live in get_state/set_state so a restored sweep keeps writing to the same runs.
+    client = MlflowClient(tracking_uri)
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`raysweep.storage` = '{experiment_path}'", order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs:
+        raise UserError(f"--resume: no MLflow parent run for {experiment_path} in {tracking_uri}")
+    client.update_run(runs[0].info.run_id, status="RUNNING")
+    return runs[0].info.experiment_id, runs[0].info.run_id
+
+
+def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: str, config, train_size: int):
+    """The `ray.tune.Callback` that does all of a sweep's MLflow writing, on the driver.
+
+    One child run per trial under the parent: params at trial start (knobs + derived), metrics per
+    report with step = epoch, and the final status: FINISHED (reached max_t), KILLED + stopped_by=asha
+    (cut early), FAILED + error tag. Run ids live in get_state/set_state so a restored sweep keeps
+    writing to the same runs.
     """
+    from ray.tune import Callback
 
-    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, config, train_size: int):
-        self.tracking_uri, self.experiment_id, self.parent_run_id = tracking_uri, experiment_id, parent_run_id
-        self.config, self.train_size = config, train_size
-        self.runs: dict[str, str] = {}  # trial id → MLflow run id
-        self._client = None
+    class MLflowSweepCallback(Callback):
+        def __init__(self):
+            self.tracking_uri, self.experiment_id, self.parent_run_id = tracking_uri, experiment_id, parent_run_id
+            self.config, self.train_size = config, train_size
+            self.runs: dict[str, str] = {}  # trial id → MLflow run id
+            self._client = None
 
-    @property
-    def client(self):
-        if self._client is None:
-            from mlflow.tracking import MlflowClient
+        @property
+        def client(self):
+            if self._client is None:
+                from mlflow.tracking import MlflowClient
 
-            self._client = MlflowClient(self.tracking_uri)
-        return self._client
+                self._client = MlflowClient(self.tracking_uri)
+            return self._client
 
-    def __getstate__(self):  # Tune pickles callbacks with the experiment; a client is not state
-        return {**self.__dict__, "_client": None}
+        def __getstate__(self):  # Tune pickles callbacks with the experiment; a client is not state
+            return {**self.__dict__, "_client": None}
 
-    def get_state(self) -> dict:
-        return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id}
+        def get_state(self) -> dict:
+            return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id}
 
-    def set_state(self, state: dict) -> None:
-        self.runs.update(state["runs"])
-        self.parent_run_id = state["parent_run_id"]
+        def set_state(self, state: dict) -> None:
+            self.runs.update(state["runs"])
+            self.parent_run_id = state["parent_run_id"]
 
-    def _run_for(self, trial) -> str:
-        run_id = self.runs.get(trial.trial_id)
-        if run_id is None:
-            from mlflow.entities import Param
+        def _run_for(self, trial) -> str:
+            run_id = self.runs.get(trial.trial_id)
+            if run_id is None:
+                from mlflow.entities import Param
 
-            run = self.client.create_run(
-                self.experiment_id,
-                run_name=trial.trial_id,
-                tags={"mlflow.parentRunId": self.parent_run_id, "trial_id": trial.trial_id},
-            )
-            run_id = self.runs[trial.trial_id] = run.info.run_id
-            params = self.config.trial(dict(trial.config), self.train_size).params()
-            self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
-        return run_id
+                run = self.client.create_run(
+                    self.experiment_id,
+                    run_name=trial.trial_id,
+                    tags={"mlflow.parentRunId": self.parent_run_id, "trial_id": trial.trial_id},
+                )
+                run_id = self.runs[trial.trial_id] = run.info.run_id
+                params = self.config.trial(dict(trial.config), self.train_size).params()
+                self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+            return run_id
 
-    def on_trial_start(self, iteration, trials, trial, **info):
-        resumed = trial.trial_id in self.runs
-        run_id = self._run_for(trial)
-        if resumed:
-            self.client.update_run(run_id, status="RUNNING")
+        def on_trial_start(self, iteration, trials, trial, **info):
+            resumed = trial.trial_id in self.runs
+            run_id = self._run_for(trial)
+            if resumed:
+                self.client.update_run(run_id, status="RUNNING")
 
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        from mlflow.entities import Metric, Param
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            from mlflow.entities import Metric, Param
 
-        run_id = self._run_for(trial)
-        step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
-        metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
-        params = []
-        if step == 1:  # known only on the workers (after their start-up probe step)
-            params = [Param(k, str(result[k])) for k in WORKER_PARAMS if k in result]
-        try:
-            self.client.log_batch(run_id, metrics=metrics, params=params)
-        except Exception:  # a re-logged param after a restart must never stop the sweep
-            self.client.log_batch(run_id, metrics=metrics)
+            run_id = self._run_for(trial)
+            step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
+            metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
+            params = []
+            if step == 1:  # known only on the workers (after their start-up probe step)
+                params = [Param(k, str(result[k])) for k in WORKER_PARAMS if k in result]
+            try:
+                self.client.log_batch(run_id, metrics=metrics, params=params)
+            except Exception:  # a re-logged param after a restart must never stop the sweep
+                self.client.log_batch(run_id, metrics=metrics)
 
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        run_id = self._run_for(trial)
-        epoch = int((trial.last_result or {}).get("epoch", 0))
-        if epoch >= self.config.max_t:
-            self.client.set_terminated(run_id, status="FINISHED")
-        else:
-            self.client.set_tag(run_id, "stopped_by", "asha")
-            self.client.set_tag(run_id, "stopped_at_epoch", str(epoch))
-            self.client.set_terminated(run_id, status="KILLED")
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            run_id = self._run_for(trial)
+            view = TrialView.of_trial(trial, self.config.max_t, ended="complete")
+            if view.status == "finished":
+                self.client.set_terminated(run_id, status="FINISHED")
+            else:
+                self.client.set_tag(run_id, "stopped_by", "asha")
+                self.client.set_tag(run_id, "stopped_at_epoch", str(view.epoch))
+                self.client.set_terminated(run_id, status="KILLED")
 
-    def on_trial_error(self, iteration, trials, trial, **info):
-        run_id = self._run_for(trial)
-        line = trial_error_line(trial)
-        self.client.set_tag(run_id, "error", line[:5000])
-        kind = failure_kind(line)
-        if kind:
-            self.client.set_tag(run_id, "failure", kind)
-        self.client.set_terminated(run_id, status="FAILED")
+        def on_trial_error(self, iteration, trials, trial, **info):
+            run_id = self._run_for(trial)
+            line = TrialView.of_trial(trial, self.config.max_t, ended="error").error
+            self.client.set_tag(run_id, "error", line[:5000])
+            kind = failure_kind(line)
+            if kind:
+                self.client.set_tag(run_id, "failure", kind)
+            self.client.set_terminated(run_id, status="FAILED")
 
-
-WORKER_PARAMS = ("device_name", "precision_used", "micro_batch_size", "accumulation_steps", "oom_downshifts")
+    return MLflowSweepCallback()
 
 
 def failure_kind(error_line: str) -> str | None:
@@ -152,27 +173,6 @@ def failure_kind(error_line: str) -> str | None:
     if "diverged" in error_line:
         return "diverged"
     return None
-
-
-def trial_error_line(trial) -> str:
-    """The most telling line of a trial's error (the root cause, not Tune's wrapper)."""
-    text = ""
-    try:
-        error_file = getattr(trial, "error_file", None)
-        if error_file and Path(error_file).is_file():
-            text = Path(error_file).read_text()
-    except OSError:
-        pass
-    if not text:
-        text = str(getattr(trial, "error_msg", "") or "")
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):  # the innermost exception's message comes last
-        line = lines[i]
-        if ("Error" in line or "Exception" in line) and ":" in line and not line.startswith("File "):
-            if line.endswith(":") and i + 1 < len(lines):  # "...controller error:" + the reason below
-                line = f"{line} {lines[i + 1]}"
-            return line
-    return lines[-1] if lines else "unknown error"
 
 
 def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric: str, status: str) -> None:
@@ -195,6 +195,50 @@ def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric
         client.set_tag(child.info.run_id, "interrupted", "true")
         client.set_terminated(child.info.run_id, status="KILLED")
     client.set_terminated(parent_run_id, status=status)
+
+
+def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin: float) -> str:
+    """The probe as an MLflow run of its own (`result`: probe.ProbeResult): metrics per batch (step =
+    per-GPU batch), the recommendation as params, the JSON table and a PNG plot. Returns the run id."""
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    _, run_id = open_sweep(tracking_uri, experiment, run_name=f"probe {datetime.now():%Y-%m-%d %H:%M:%S}",
+                           tags={"raysweep.kind": "probe"}, spec_text=spec_text)
+    client = MlflowClient(tracking_uri)
+    now = int(time.time() * 1000)
+    keys = ("peak_mem_allocated_gb", "peak_mem_reserved_gb", "peak_rss_gb", "step_time_s", "images_per_s", "fits")
+    metrics = [Metric(k, float(getattr(r, k)), now, r.per_gpu_batch_size) for r in result.rows for k in keys]
+    params = {"world_size": result.world_size, "device_name": result.device_name, "precision": result.precision,
+              "largest_per_gpu_batch": result.largest, "recommended_per_gpu_batch": result.recommended,
+              "margin": margin, "memory_limit_gb": round(result.limit_gb, 3)}
+    client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
+    client.log_artifact(run_id, str(result.path))
+    fig, (ax_mem, ax_rate) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r.per_gpu_batch_size for r in result.rows]
+    colors = ["tab:green" if r.fits else "tab:red" for r in result.rows]
+    for ax, key, label in ((ax_mem, result.memory_key, "peak memory (GiB)"), (ax_rate, "images_per_s", "images/s")):
+        ax.scatter(xs, [getattr(r, key) for r in result.rows], c=colors)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("per-GPU batch")
+        ax.set_ylabel(label)
+    ax_mem.axhline(result.limit_gb, color="grey", linestyle="--", label="limit after margin")
+    ax_mem.legend()
+    fig.suptitle(f"probe: {result.world_size} × {result.device_name}, {result.precision} (red: OOM)")
+    fig.tight_layout()
+    with tempfile.TemporaryDirectory() as d:
+        png = Path(d) / "probe.png"
+        fig.savefig(png, dpi=100)
+        client.log_artifact(run_id, str(png))
+    plt.close(fig)
+    client.set_terminated(run_id, status="FINISHED")
+    return run_id
 
 
 def runs_link(tracking_uri: str, experiment_id: str, port: int = 5000) -> tuple[str, str]:

@@ -1,12 +1,13 @@
-"""The per-worker DDP loop of one trial, and the `TorchTrainer` that runs it.
+"""The rank side of a trial: the per-worker DDP loop (build, step, evaluate, reduce, checkpoint).
 
 Every rank: build → (resume) → for each epoch: train one epoch, evaluate, reduce, report (+ checkpoint).
+Imports no Ray at module level: the loop runs (and is tested) in a plain process too. The
+`TorchTrainer` that runs it is built in cluster.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -22,7 +23,8 @@ from torch import nn
 
 from raysweep.config import TrialConfig
 from raysweep.data import CaptchaArrays
-from raysweep.model import CaptchaCNN
+from raysweep.metrics import EpochMetrics, WorkerParams, report_dict
+from raysweep.model import build_model
 from raysweep.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -51,21 +53,6 @@ def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX tiles, as torch's CPU dispatch sees them (private probes: absent → False, fp32)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-
-
-def worker_env() -> dict[str, str]:
-    """Environment for a trial's worker processes (it must be in place when they start).
-
-    glibc backs large allocations with transparent huge pages: an activation over 32 MB is a fresh
-    mmap, faulted in 4 KiB pages on first touch (a 157 MB elementwise pass took 77 ms into new
-    memory, 13 ms into reused memory here); 2 MiB pages cut the faults 512×. On the CPU step at
-    batch 512: 48-52 → 65-69 images/s, same peak RSS. Plus the RAYSWEEP_TEST_* fault switches,
-    where set (tests only).
-    """
-    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
-    env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
-    return env
 
 
 def _libc():
@@ -114,7 +101,7 @@ class FaultInjection:
 
     RAYSWEEP_TEST_OOM_ABOVE=N: the training step raises torch.OutOfMemoryError when the per-GPU
     micro-batch exceeds N. RAYSWEEP_TEST_NAN_AT_STEP=K: the loss is NaN at optimizer step K (1-based).
-    Everything else on the path is the real one. They reach workers through `worker_env()`.
+    Everything else on the path is the real one. They reach workers through `cluster.worker_env()`.
     """
 
     oom_above: int | None = None
@@ -190,24 +177,54 @@ class Shard:
 
 
 # ---------------------------------------------------------------------------------------------
+# One rank's model: the build that training and the probe share
+
+
+@dataclass
+class RankModel:
+    """One rank's model (`model` for the step: DDP-wrapped and/or compiled; `core` for evaluation and
+    checkpoints), its optimizer, the precision it runs and the fp16 scaler."""
+
+    model: nn.Module
+    core: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    precision: str
+    device: torch.device
+
+    @classmethod
+    def build(cls, trial: TrialConfig, device: torch.device, wrap=None, compile: bool = False) -> RankModel:
+        """`wrap`: `ray.train.torch.prepare_model` on a worker (to the device; DDP when world size > 1)."""
+        torch.manual_seed(trial.train.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
+        model = build_model(trial.image, trial.model.dropout)
+        model = wrap(model) if wrap is not None else model.to(device)
+        core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        if compile:
+            model = torch.compile(model)  # after DDP wrapping, so DDP's bucketing sees the compiled graph
+        optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
+        precision = resolve_precision(trial.train.precision, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        return cls(model, core, optimizer, scaler, precision, device)
+
+
+# ---------------------------------------------------------------------------------------------
 # The worker function
 
 
 def train_worker(config: dict) -> None:
-    """Ray Train entry point on every rank; `config` = {"trial": TrialConfig dict, "data": ObjectRef}."""
+    """Ray Train entry point on every rank; `config` = {"trial": TrialConfig dict, "data": ObjectRef, "failure_file"}."""
     import ray
     import ray.train
     import ray.train.torch
 
     trial = TrialConfig.from_dict(config["trial"])
-    _quiet_ray_train_logs()
+    quiet_ray_train_logs()
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     data = ray.get(config["data"])  # zero-copy from the node's object store
     device = ray.train.torch.get_device()
     keep_host_memory(device)
-    run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device,
-                            wrap=ray.train.torch.prepare_model)  # to device; DDP only when world_size > 1
+    run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device, wrap=ray.train.torch.prepare_model)
     del data
     start_epoch = run.restore(ray.train.get_checkpoint())
     try:
@@ -215,18 +232,14 @@ def train_worker(config: dict) -> None:
         for epoch in range(start_epoch, trial.train.epochs + 1):
             metrics = run.epoch(epoch)
             due = epoch % trial.train.checkpoint_every == 0 or epoch == trial.train.epochs
-            report(metrics, rank, due, lambda: run.state(epoch))
+            report(report_dict(metrics, run.worker_params()), rank, due, lambda: run.state(epoch))
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         if rank == 0:
             write_failure(config["failure_file"], failure)
 
 
-def failure_path(storage_path: str, name: str) -> str:
-    """Where rank 0 leaves an agreed failure for the trial function (the run's own directory)."""
-    return os.path.join(storage_path, name, "raysweep_failure.json")
-
-
 def write_failure(path: str, failure: TrialFailure) -> None:
+    """Rank 0's half of the agreed-failure file (cluster.read_failure is the trial function's half)."""
     import json
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -234,62 +247,38 @@ def write_failure(path: str, failure: TrialFailure) -> None:
         json.dump({"kind": failure.kind, "message": str(failure)}, f)
 
 
-def read_failure(path: str) -> TrialFailure | None:
-    import json
-
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        data = json.load(f)
-    return TrialFailure(data["kind"], data["message"])
-
-
 @dataclass
 class TrainingRun:
-    """One rank's model, optimizer, schedule and data; `epoch()` trains, evaluates and reduces."""
+    """One rank's model, schedule and data; `epoch()` trains, evaluates and reduces."""
 
     trial: TrialConfig
-    model: nn.Module  # what the step calls: DDP-wrapped and/or compiled
-    core: nn.Module  # the plain module: evaluation and checkpoints
-    optimizer: torch.optim.Optimizer
+    net: RankModel
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    precision: str
     train: Shard
     val: Shard
     rank: int
-    device: torch.device
     samples_seen: int = 0
     downshifts: int = 0
 
     @classmethod
     def build(cls, trial: TrialConfig, data, rank: int, world_size: int, device: torch.device, wrap=None) -> TrainingRun:
-        tc = trial.train
-        torch.manual_seed(tc.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
-        model = build_model(trial)
-        model = wrap(model) if wrap is not None else model.to(device)
-        core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        if tc.compile:
-            model = torch.compile(model)  # after DDP wrapping, so DDP's bucketing sees the compiled graph
-        optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
-        scheduler = build_scheduler(optimizer, trial.peak_lr, tc.min_lr, trial.warmup_steps, trial.total_steps)
-        precision = resolve_precision(tc.precision, device)
-        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        net = RankModel.build(trial, device, wrap, compile=trial.train.compile)
+        scheduler = build_scheduler(net.optimizer, trial.peak_lr, trial.train.min_lr, trial.warmup_steps,
+                                    trial.total_steps)
         classes = trial.image.num_classes
-        return cls(trial, model, core, optimizer, scheduler, scaler, precision,
-                   Shard.build(data.train, rank, world_size, classes, device),
-                   Shard.build(data.val, rank, world_size, classes, device), rank, device)
+        return cls(trial, net, scheduler, Shard.build(data.train, rank, world_size, classes, device),
+                   Shard.build(data.val, rank, world_size, classes, device), rank)
 
     def restore(self, checkpoint) -> int:
         """Load a Ray Train checkpoint if there is one; returns the epoch to start at."""
         if checkpoint is None:
             return 1
         with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=self.device, weights_only=True)
-        self.core.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=self.net.device, weights_only=True)
+        self.net.core.load_state_dict(state["model"])
+        self.net.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self.net.scaler.load_state_dict(state["scaler"])
         self.samples_seen = state["samples_seen"]
         if self.rank == 0:
             log.info("resumed from checkpoint at epoch %d", state["epoch"])
@@ -300,7 +289,7 @@ class TrainingRun:
         micro-batch and double accumulation (same global batch and LR), at most max_downshifts times."""
         for shift in range(self.trial.train.max_downshifts + 1):
             micro = self.trial.micro_batch_size
-            if probe_step(self.core, self.optimizer, self.scaler, self.trial, micro, self.device, self.precision)["fits"]:
+            if probe_step(self.net, self.trial, micro).fits:
                 if shift and self.rank == 0:
                     log.warning("OOM at micro-batch %d: running %d × %d", 2 * micro, micro, self.trial.accumulation_steps)
                 return
@@ -312,57 +301,63 @@ class TrainingRun:
                                   f"(micro-batch {micro} after {self.downshifts} downshifts)")
 
     def state(self, epoch: int) -> dict:
-        return {"model": self.core.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "epoch": epoch,
+        net = self.net
+        return {"model": net.core.state_dict(), "optimizer": net.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": net.scaler.state_dict(), "epoch": epoch,
                 "samples_seen": self.samples_seen}
 
-    def epoch(self, epoch: int) -> dict:
-        """Train one epoch, evaluate, reduce across ranks: the epoch's metrics (DESIGN.md names)."""
-        cuda = self.device.type == "cuda"
+    def worker_params(self) -> WorkerParams:
+        return WorkerParams(device_name(self.net.device), self.net.precision, self.trial.micro_batch_size,
+                            self.trial.accumulation_steps, self.downshifts)
+
+    def epoch(self, epoch: int) -> EpochMetrics:
+        """Train one epoch, evaluate, reduce across ranks."""
+        device = self.net.device
+        cuda = device.type == "cuda"
         # a fresh, epoch-derived seed: dropout and shuffling replay exactly after a resume
         torch.manual_seed(hash((self.trial.train.seed, epoch, self.rank)) & 0x7FFF_FFFF)
         if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        sums = train_one_epoch(self.model, self.train, self.optimizer, self.scheduler, self.scaler,
-                               LOSS_FN, self.trial, epoch, self.rank, self.precision)
+        train = train_one_epoch(self.net, self.train, self.scheduler, self.trial, epoch, self.rank)
         if cuda:
-            torch.cuda.synchronize(self.device)  # once per epoch: make the timing honest
-        train_time = time.perf_counter() - t0
-        sums.update(evaluate(self.core, self.val, LOSS_FN, self.trial, self.precision))
-        metrics = reduce_metrics(sums, train_time, time.perf_counter() - t0, self.device)
-        self.samples_seen += int(metrics.pop("train_samples"))
-        metrics.update(epoch=epoch, samples_seen=self.samples_seen, lr=self.scheduler.get_last_lr()[0],
-                       micro_batch_size=self.trial.micro_batch_size, accumulation_steps=self.trial.accumulation_steps,
-                       oom_downshifts=self.downshifts)
-        if self.rank == 0:
-            metrics["device_name"] = _device_name(self.device)
-            metrics["precision_used"] = self.precision
+            torch.cuda.synchronize(device)  # once per epoch: make the timing honest
+        train_time_s = time.perf_counter() - t0
+        val = evaluate(self.net.core, self.val, self.trial, self.net.precision)
+        metrics = reduce_metrics(train, val, train_time_s=train_time_s, epoch_time_s=time.perf_counter() - t0,
+                                 epoch=epoch, samples_before=self.samples_seen, lr=self.scheduler.get_last_lr()[0],
+                                 device=device)
+        self.samples_seen = metrics.samples_seen
         if not cuda:
             release_host_memory()
         return metrics
 
 
-def build_model(trial: TrialConfig) -> nn.Module:
-    img = trial.image
-    model = CaptchaCNN(img.height, img.width, img.length, img.num_classes, trial.model.dropout)
-    # NHWC: oneDNN's and cuDNN's fast conv layouts (1.3× on the CPU step here, benchmarks/RESULTS.md)
-    return model.to(memory_format=torch.channels_last)
+@dataclass
+class TrainSums:
+    """One rank's epoch, as sums on the device (no host sync until `reduce_metrics`)."""
+
+    loss_sum: torch.Tensor  # Σ loss × micro-batch size
+    samples: int
+    grad_norm_sum: torch.Tensor  # Σ pre-clip global norm over optimizer steps
+    grad_norm_max: torch.Tensor
+    clipped_steps: torch.Tensor
+    optimizer_steps: int
 
 
-def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: TrialConfig, epoch: int, rank: int,
-                    precision: str = "fp32") -> dict:
+def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig, epoch: int, rank: int) -> TrainSums:
     """One pass over the rank's shard; returns on-device sums (no host sync inside)."""
+    model, optimizer, scaler = net.model, net.optimizer, net.scaler
     tc = trial.train
     accum = trial.accumulation_steps
     device = shard.images.device
-    num_batches = trial.steps_per_epoch * accum
+    num_batches = trial.micro_batches_per_epoch
     if len(shard) > (trial.micro_batch_size + 1) * num_batches:
         raise ValueError(f"a shard of {len(shard)} samples is more than {num_batches} micro-batches of "
                          f"{trial.micro_batch_size}: train_size {trial.train_size} does not describe this data")
     plan = epoch_plan(len(shard), num_batches, tc.seed, epoch, rank)
     plan = [torch.from_numpy(idx).to(device, non_blocking=True) for idx in plan]
-    autocast = _autocast(device, precision)
+    autocast = _autocast(device, net.precision)
     max_norm = tc.grad_clip if tc.grad_clip is not None else math.inf
     params = [p for p in model.parameters() if p.requires_grad]
     zero = torch.zeros((), device=device, dtype=torch.float64)
@@ -373,7 +368,7 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
 
     model.train()
     fp16 = scaler.is_enabled()
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = _distributed()
     for step in range(trial.steps_per_epoch):
         step_loss = zero.clone()
         for micro in range(accum):
@@ -385,7 +380,7 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
             with contextlib.nullcontext() if sync else model.no_sync():
                 with autocast:
                     logits = model(x)
-                loss = loss_fn(logits.float(), y)
+                loss = LOSS_FN(logits.float(), y)
                 if FAULTS.nan_at_step == scheduler.last_epoch + 1:
                     loss = loss * float("nan")
                 scaler.scale(loss / accum).backward()
@@ -411,10 +406,7 @@ def train_one_epoch(model, shard, optimizer, scheduler, scaler, loss_fn, trial: 
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
     watch.finish(epoch)
-    return {
-        "train_loss_sum": loss_sum, "train_samples": samples, "grad_norm_sum": grad_norm_sum,
-        "clipped_steps": clipped, "optimizer_steps": trial.steps_per_epoch, "grad_norm_max": grad_norm_max,
-    }
+    return TrainSums(loss_sum, samples, grad_norm_sum, grad_norm_max, clipped, trial.steps_per_epoch)
 
 
 class DivergenceWatch:
@@ -452,8 +444,21 @@ class DivergenceWatch:
                 raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {at_epoch}, step {step}")
 
 
-def probe_step(model: nn.Module, optimizer, scaler, trial: TrialConfig, micro_batch: int, device: torch.device,
-               precision: str) -> dict:
+@dataclass(frozen=True)
+class ProbeStep:
+    """One probe step at one micro-batch, agreed across ranks (max of each figure; OOM anywhere is OOM)."""
+
+    per_gpu_batch_size: int
+    fits: bool
+    peak_mem_allocated_gb: float  # CUDA allocator peaks (0 on CPU)
+    peak_mem_reserved_gb: float
+    peak_rss_gb: float  # process resident memory: the figure on CPU
+    step_time_s: float
+    device_memory_gb: float  # the device's total memory (on CPU: the machine's)
+    images_per_s: float = 0.0  # global, when it fits (set by the probe command)
+
+
+def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeStep:
     """One full step (forward, backward, optimizer) at `micro_batch` on random data; model and
     optimizer left as they were. Every rank agrees on the outcome: OOM anywhere is OOM everywhere.
 
@@ -462,6 +467,7 @@ def probe_step(model: nn.Module, optimizer, scaler, trial: TrialConfig, micro_ba
     """
     import psutil
 
+    model, optimizer, scaler, device = net.core, net.optimizer, net.scaler, net.device
     img = trial.image
     cuda = device.type == "cuda"
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}  # BN buffers too
@@ -478,7 +484,7 @@ def probe_step(model: nn.Module, optimizer, scaler, trial: TrialConfig, micro_ba
         labels = torch.randint(0, img.num_classes, (micro_batch, img.length), device=device)
         y = nn.functional.one_hot(labels, img.num_classes).flatten(1).float()
         model.train()
-        with _autocast(device, precision):
+        with _autocast(device, net.precision):
             logits = model(x)
         scaler.scale(LOSS_FN(logits.float(), y)).backward()
         scaler.unscale_(optimizer)
@@ -492,7 +498,7 @@ def probe_step(model: nn.Module, optimizer, scaler, trial: TrialConfig, micro_ba
     finally:
         x = y = logits = labels = None  # noqa: F841 - drop the step's tensors before measuring again
         optimizer.zero_grad(set_to_none=True)
-    step_time = time.perf_counter() - t0
+    step_time_s = time.perf_counter() - t0
     peak_rss = rss.stop() if rss else psutil.Process().memory_info().rss
     model.load_state_dict(snapshot)
     optimizer.state.clear()  # the probe's moments must not leak into training
@@ -503,14 +509,11 @@ def probe_step(model: nn.Module, optimizer, scaler, trial: TrialConfig, micro_ba
     else:
         alloc = reserved = 0
         total = psutil.virtual_memory().total
-    outcome = torch.tensor([float(oom), alloc / GiB, reserved / GiB, peak_rss / GiB, step_time, total / GiB],
-                           dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(outcome, op=dist.ReduceOp.MAX)
-    oom, alloc, reserved, peak_rss, step_time, total = outcome.tolist()
-    return {"per_gpu_batch_size": micro_batch, "fits": not oom, "peak_mem_allocated_gb": alloc,
-            "peak_mem_reserved_gb": reserved, "peak_rss_gb": peak_rss, "step_time_s": step_time,
-            "device_memory_gb": total}
+    agreed = all_reduce_named({"oom": float(oom), "alloc": alloc / GiB, "reserved": reserved / GiB,
+                               "rss": peak_rss / GiB, "step_time_s": step_time_s, "total": total / GiB},
+                              dist.ReduceOp.MAX, device)
+    return ProbeStep(micro_batch, not agreed["oom"], agreed["alloc"], agreed["reserved"], agreed["rss"],
+                     agreed["step_time_s"], agreed["total"])
 
 
 class RssSampler:
@@ -537,8 +540,19 @@ class RssSampler:
         return max(self.peak, self.process.memory_info().rss)
 
 
+@dataclass
+class EvalSums:
+    """One rank's validation pass, as sums on the device."""
+
+    loss_sum: torch.Tensor  # Σ loss × batch size
+    samples: int
+    exact: torch.Tensor  # captchas with every character right
+    chars: torch.Tensor  # characters right
+    char_total: int
+
+
 @torch.no_grad()
-def evaluate(model, shard: Shard, loss_fn, trial: TrialConfig, precision: str = "fp32") -> dict:
+def evaluate(model: nn.Module, shard: Shard, trial: TrialConfig, precision: str = "fp32") -> EvalSums:
     """Sums over the rank's validation shard: loss × n, exact matches, right characters."""
     model.eval()
     device = shard.images.device
@@ -551,55 +565,60 @@ def evaluate(model, shard: Shard, loss_fn, trial: TrialConfig, precision: str = 
             idx = torch.arange(start, min(start + batch, len(shard)), device=device)
             x, y = shard.batch(idx)
             logits = model(x).float()
-            loss_sum += loss_fn(logits, y) * len(idx)
+            loss_sum += LOSS_FN(logits, y) * len(idx)
             right = logits.view(-1, length, classes).argmax(-1) == shard.labels[idx]
             chars += right.sum()
             exact += right.all(dim=1).sum()
-    return {"val_loss_sum": loss_sum, "val_samples": len(shard), "val_exact": exact, "val_chars": chars,
-            "val_char_total": len(shard) * length}
+    return EvalSums(loss_sum, len(shard), exact, chars, len(shard) * length)
 
 
-def reduce_metrics(sums: dict, train_time: float, epoch_time: float, device: torch.device) -> dict:
-    """Two collectives per epoch (a SUM and a MAX); the one host sync of the epoch is here."""
+def all_reduce_named(values: dict[str, object], op, device: torch.device) -> dict[str, float]:
+    """All-reduce named scalars in one collective; returns them by name on the host (a sync)."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values.values()])
+    if _distributed():
+        dist.all_reduce(t, op=op)
+    return dict(zip(values, t.tolist()))
+
+
+def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoch_time_s: float, epoch: int,
+                   samples_before: int, lr: float, device: torch.device) -> EpochMetrics:
+    """Two collectives per epoch (a SUM and a MAX); the epoch's host syncs are here."""
     import psutil
 
-    def tensor(values):
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-
-    s = tensor([sums[k] for k in ("train_loss_sum", "train_samples", "val_loss_sum", "val_samples", "val_exact",
-                                  "val_chars", "val_char_total", "grad_norm_sum", "clipped_steps", "optimizer_steps")])
     cuda = device.type == "cuda"
-    m = tensor([
-        sums["grad_norm_max"],
-        torch.cuda.max_memory_allocated(device) / GiB if cuda else 0.0,
-        torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
-        psutil.Process().memory_info().rss / GiB,
-        train_time,
-        epoch_time,
-    ])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(s, op=dist.ReduceOp.SUM)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    (loss, n, vloss, vn, exact, chars, char_total, gsum, clipped, steps), maxes = s.tolist(), m.tolist()
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    steps /= world  # every rank counted the same optimizer steps
-    clipped /= world
-    gsum /= world
-    return {
-        "train_samples": n,
-        "train_loss": loss / max(n, 1),
-        "val_loss": vloss / max(vn, 1),
-        "val_exact_acc": exact / max(vn, 1),
-        "val_char_acc": chars / max(char_total, 1),
-        "grad_norm": gsum / max(steps, 1),
-        "grad_norm_max": maxes[0],
-        "clip_fraction": clipped / max(steps, 1),
-        "epoch_time_s": maxes[5],
-        "samples_per_s": n / max(maxes[4], 1e-9),
-        "peak_mem_allocated_gb": maxes[1],
-        "peak_mem_reserved_gb": maxes[2],
-        "rss_gb": maxes[3],
-    }
+    world = dist.get_world_size() if _distributed() else 1
+    s = all_reduce_named({
+        "train_loss": train.loss_sum, "train_samples": train.samples, "val_loss": val.loss_sum,
+        "val_samples": val.samples, "val_exact": val.exact, "val_chars": val.chars, "val_char_total": val.char_total,
+        "grad_norm": train.grad_norm_sum, "clipped_steps": train.clipped_steps, "optimizer_steps": train.optimizer_steps,
+    }, dist.ReduceOp.SUM, device)
+    m = all_reduce_named({
+        "grad_norm_max": train.grad_norm_max,
+        "peak_mem_allocated_gb": torch.cuda.max_memory_allocated(device) / GiB if cuda else 0.0,
+        "peak_mem_reserved_gb": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
+        "rss_gb": psutil.Process().memory_info().rss / GiB,
+        "train_time_s": train_time_s,
+        "epoch_time_s": epoch_time_s,
+    }, dist.ReduceOp.MAX, device)
+    steps = s["optimizer_steps"]  # every rank counted the same optimizer steps, and saw the same norms
+    n, vn = s["train_samples"], max(s["val_samples"], 1)
+    return EpochMetrics(
+        epoch=epoch,
+        samples_seen=samples_before + int(n),
+        train_loss=s["train_loss"] / max(n, 1),
+        val_loss=s["val_loss"] / vn,
+        val_exact_acc=s["val_exact"] / vn,
+        val_char_acc=s["val_chars"] / max(s["val_char_total"], 1),
+        lr=lr,
+        grad_norm=s["grad_norm"] / max(steps, 1),
+        grad_norm_max=m["grad_norm_max"],
+        clip_fraction=s["clipped_steps"] / max(steps, 1),
+        epoch_time_s=m["epoch_time_s"],
+        samples_per_s=n / max(m["train_time_s"], 1e-9),
+        peak_mem_allocated_gb=m["peak_mem_allocated_gb"],
+        peak_mem_reserved_gb=m["peak_mem_reserved_gb"],
+        rss_gb=m["rss_gb"],
+    )
 
 
 def report(metrics: dict, rank: int, checkpoint_due: bool, state_fn) -> None:
@@ -614,6 +633,10 @@ def report(metrics: dict, rank: int, checkpoint_due: bool, state_fn) -> None:
         ray.train.report(metrics)
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _autocast(device: torch.device, precision: str):
     dtype = AUTOCAST_DTYPES[precision]
     if dtype is None:
@@ -621,75 +644,18 @@ def _autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """What the trial ran on, for MLflow's `device_name` param."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def _quiet_ray_train_logs() -> None:
-    # the per-report INFO line ignores LoggingConfig: its logger is named by file path (RAY_NOTES.md)
+def quiet_ray_train_logs() -> None:
+    """The per-report INFO line ignores LoggingConfig: its logger is named by file path (RAY_NOTES.md)."""
     try:
         import ray.train.v2._internal.execution.context as context
 
         logging.getLogger(context.__file__).setLevel(logging.WARNING)
     except ImportError:
         pass
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
-                 worker_fn=None, extra_config: dict | None = None):
-    """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
-
-    `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint.
-    """
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-
-    resources = {"CPU": trial.scaling.cpus_per_worker}
-    if trial.scaling.use_gpu:
-        resources["GPU"] = 1
-    return _trainer_class()(
-        worker_fn or train_worker,
-        train_loop_config={"trial": trial.to_dict(), "data": data_ref, "failure_file": failure_path(storage_path, name),
-                           **(extra_config or {})},
-        scaling_config=ScalingConfig(
-            num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
-        ),
-        run_config=RunConfig(
-            name=name,
-            storage_path=storage_path,
-            callbacks=list(callbacks),
-            checkpoint_config=CheckpointConfig(num_to_keep=1),
-            # worker crashes restart from the last checkpoint; a group that cannot start is retried
-            # once, so the wait is bounded by 2 × worker_start_timeout_s
-            failure_config=FailureConfig(max_failures=trial.train.max_failures, controller_failure_limit=1),
-            logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": env if env is not None else worker_env()},
-        ),
-    )
-
-
-@functools.cache
-def _trainer_class():
-    """`TorchTrainer` without Ray Data's per-run `DatasetManager` actor when no `datasets` are given.
-
-    Train V2 starts that actor for every run whether or not it has datasets: a fresh Python process
-    importing ray.data (about 1 s of CPU), started while the worker group sets up, on the path to
-    the first report. raysweep's data travels as one object ref, never as Ray Datasets.
-    `tests/test_train_ray.py` checks that a trial starts no DatasetManager, so a Ray upgrade that renames
-    this private hook fails there.
-    """
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-
-    class CaptchaTrainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
-
-    return CaptchaTrainer

@@ -27,7 +27,7 @@ def _cache_dir(tmp_path_factory):
 def ray_cluster():
     import ray
 
-    from raysweep.sweep import ray_init_kwargs
+    from raysweep.cluster import ray_init_kwargs
 
     ray.init(num_cpus=2, **ray_init_kwargs(worker_start_timeout_s=WORKER_START_TIMEOUT_S))
     yield ray

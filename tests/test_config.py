@@ -97,7 +97,7 @@ def test_missing_data_folder(tmp_path):
 
 def test_grace_shorter_than_warmup_is_refused_unless_allowed(tmp_path):
     text = "search:\n  warmup_epochs: {randint: [0, 3]}\ntune:\n  asha: {grace_period: 2}\n"
-    assert "grace_period 2 is shorter than the largest warmup_epochs in the search (3)" in _error(tmp_path, text)
+    assert "tune.asha.grace_period: 2 is shorter than the largest warmup_epochs in the search (3)" in _error(tmp_path, text)
     config = load_config(write_spec(tmp_path, text), ["tune.asha.allow_grace_within_warmup=true"])
     assert config.tune.asha.grace_period == 2
 
@@ -158,3 +158,96 @@ def test_readme_documents_every_key():
     assert len(keys) > 40
     missing = [key for key in keys if f"| `{key}` |" not in readme]
     assert not missing, f"README's key table lacks {missing}"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("search:\n  weight_decay: -1.0e-4\n", "search.weight_decay: must be at least 0.0, got -0.0001"),
+    ("search:\n  warmup_epochs: -1\n", "search.warmup_epochs: must be at least 0.0, got -1"),
+    ("search:\n  base_lr: {loguniform: [1.0e-3, 1.0e-3]}\n", "low 0.001 must be below high 0.001"),
+    ("search:\n  weight_decay: {uniform: [0.01, 0.0]}\n", "low 0.01 must be below high 0.0"),
+    ("search:\n  warmup_epochs: {randint: [2, 0]}\n", "low 2 must not exceed high 0"),
+    ("search:\n  base_lr: {loguniform: [1.0e-4, 1.0e-3], default: 1.0e-2}\n", "default 0.01 lies outside [0.0001, 0.001]"),
+    ("search:\n  warmup_epochs: {randint: [0, 2], default: 3}\n", "default 3 lies outside [0, 2]"),
+    ("search:\n  per_gpu_batch_size: {choice: [16, 32], default: 64}\n", "default 64 is not one of the choices [16, 32]"),
+    ("data:\n  val_dir: /tmp\n", "val_dir is set but train_dir is not"),
+    ("tune:\n  asha: {grace_period: 7}\n", "tune.asha.grace_period: 7 exceeds max_t 6"),
+    ("train:\n  epochs: 4\ntune:\n  asha: {max_t: 6}\n", "tune.asha.max_t: 6 exceeds train.epochs 4"),
+])
+def test_bad_values_are_one_line_errors(tmp_path, text, expected):
+    msg = _error(tmp_path, text)
+    assert msg.startswith(str(tmp_path / "spec.yaml")) and expected in msg, msg
+
+
+def test_missing_val_dir_folder(tmp_path):
+    (tmp_path / "train").mkdir()
+    msg = _error(tmp_path, f"data:\n  train_dir: {tmp_path / 'train'}\n  val_dir: {tmp_path / 'nope'}\n")
+    assert "data.val_dir: no such folder" in msg and "nope" in msg
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    msg = _error(tmp_path, "train:\n  epochs: [3\n")
+    assert f"{tmp_path / 'spec.yaml'}: line" in msg and "invalid YAML" in msg
+
+
+def test_spec_that_is_not_a_mapping(tmp_path):
+    assert "expected a mapping of sections" in _error(tmp_path, "- name: x\n")
+
+
+def test_set_into_a_scalar_is_refused(tmp_path):
+    msg = _error(tmp_path, "train:\n  epochs: 3\n", ["train.epochs.value=3"])
+    assert msg == "--set train.epochs.value=3: 'train.epochs' is a value, not a section"
+    msg = _error(tmp_path, "name: x\n", ["name.first=3"])
+    assert msg == "--set name.first=3: 'name' is a value, not a section"
+
+
+def test_train_ignores_asha_so_epochs_can_be_shortened(tmp_path):
+    """Bug: `train --set train.epochs=2` exited 2 with `tune.asha.max_t 6 exceeds train.epochs 2`."""
+    path = write_spec(tmp_path, "train:\n  epochs: 6\ntune:\n  asha: {max_t: 6}\n")
+    assert load_config(path, ["train.epochs=2"], sweep=False).train.epochs == 2
+    with pytest.raises(UserError, match="tune.asha.max_t: 6 exceeds train.epochs 2"):
+        load_config(path, ["train.epochs=2"])  # `tune` still refuses a contradiction the user wrote
+    quickstart = ROOT / "search_spaces" / "quickstart.yaml"
+    assert load_config(quickstart, ["train.epochs=2"]).max_t == 2  # unset max_t follows the epochs
+    # the `train` command gets past the spec (and fails later, on the bad address, without starting Ray)
+    proc = subprocess.run([sys.executable, "-m", "raysweep", "train", str(path), "--set", "train.epochs=2",
+                           "--address", "not-an-address"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("raysweep: error: --address not-an-address:"), proc.stderr
+
+
+def test_quickstart_runs_auto_precision():
+    assert load_config(ROOT / "search_spaces" / "quickstart.yaml").train.precision == "auto"
+
+
+def test_data_too_small_for_the_trial_is_a_one_line_error(tmp_path):
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path, search={
+        "per_gpu_batch_size": {"choice": [1, 16]}, "grad_accum_steps": {"choice": [1, 8]},
+        "base_lr": 1.0e-3, "warmup_epochs": 1, "weight_decay": 0.0})))
+    config.check_data_fits(192)  # 96 per rank: even batch 1 × 8 accumulation steps fits
+    with pytest.raises(UserError) as e:
+        config.check_data_fits(14)  # 7 per rank, but batch 1 × 8 accumulation needs 8 micro-batches
+    assert str(e.value) == (
+        "data: 14 training images give each of 2 workers 7, too few for 8 micro-batches per epoch (per-GPU batch 1 × "
+        "8 accumulation steps, global batch 16); use more training images (data.synthetic.train_size or "
+        "data.train_dir), or fewer scaling.num_workers or grad_accum_steps")
+    config.check_data_fits(14, searched=False)  # the defaults (batch 1, 1 step) fit
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["tune", "SPEC", "--resume"], "--resume: no sweep at"),
+    (["tune", "SPEC", "--cap-batch", "0"], "--cap-batch 0: expected a positive per-GPU batch size"),
+])
+def test_cli_flags_that_cannot_work_are_one_line_errors(tmp_path, capsys, argv, expected):
+    from raysweep.cli import main
+
+    path = write_spec(tmp_path, tiny_spec(tmp_path))
+    assert main([str(path) if a == "SPEC" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"raysweep: error: {expected}") and err.count("\n") == 1, err
+
+
+def test_readme_documents_every_metric_and_worker_param():
+    from raysweep.metrics import METRIC_NAMES
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [name for name in METRIC_NAMES if f"`{name}`" not in readme]
+    assert not missing, f"README's metric table lacks {missing}"

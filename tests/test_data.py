@@ -70,7 +70,13 @@ def test_synthetic_is_seeded_and_cached(tmp_path, monkeypatch):
     args = ("train", 40, 7, CHARSET, 4, 64, 24)
     monkeypatch.setenv("RAYSWEEP_CACHE_DIR", str(tmp_path / "a"))
     a = synthetic_split(*args, progress=False)
-    assert len(list((tmp_path / "a").glob("*.npz"))) == 1
+    (cached,) = (tmp_path / "a").glob("*.npz")
+    # the second call reads the cache instead of rendering: plant a marker there and get it back
+    marker = np.full_like(a.images, 7)
+    np.savez(cached, images=marker, labels=a.labels)
+    again = synthetic_split(*args, progress=False)
+    assert np.array_equal(again.images, marker) and np.array_equal(again.labels, a.labels)
+    np.savez(cached, images=a.images, labels=a.labels)
     monkeypatch.setenv("RAYSWEEP_CACHE_DIR", str(tmp_path / "b"))
     b = synthetic_split(*args, progress=False)  # rendered again from scratch
     assert np.array_equal(a.images, b.images) and np.array_equal(a.labels, b.labels)

@@ -8,7 +8,14 @@ from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainC
 from raysweep.data import CaptchaArrays
 from raysweep.model import CaptchaCNN
 from raysweep.optim import build_optimizer, build_scheduler
-from raysweep.train_loop import Shard, epoch_plan, evaluate, shard_bounds, train_one_epoch
+from raysweep.train_loop import RankModel, Shard, epoch_plan, evaluate, shard_bounds, train_one_epoch
+
+
+def _net(model, lr, precision="fp32", step_model=None):
+    """A one-process RankModel around `model` (what RankModel.build makes on a worker)."""
+    opt = build_optimizer(model, lr, 0.0, "cpu")
+    return RankModel(model if step_model is None else step_model, model, opt, torch.amp.GradScaler("cpu", enabled=False), precision,
+                     torch.device("cpu"))
 
 
 @pytest.mark.parametrize("n, world, batches", [(512, 2, 8), (500, 3, 6), (50_000, 3, 17), (7, 2, 3)])
@@ -50,21 +57,47 @@ def test_one_process_epochs_lower_the_loss_and_count_steps():
     trial = _trial()
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
     torch.manual_seed(0)
-    model = CaptchaCNN(24, 64, 4, 36, dropout=0.0)
-    opt = build_optimizer(model, trial.peak_lr, 0.0, "cpu")
-    sched = build_scheduler(opt, trial.peak_lr, 1e-6, 0, trial.total_steps)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_fn = torch.nn.MultiLabelSoftMarginLoss()
+    net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0), trial.peak_lr)
+    sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, 0, trial.total_steps)
     losses = []
     for epoch in (1, 2, 3):
-        sums = train_one_epoch(model, shard, opt, sched, scaler, loss_fn, trial, epoch, 0)
-        losses.append(float(sums["train_loss_sum"]) / sums["train_samples"])
-        assert sums["train_samples"] == 96 and sums["optimizer_steps"] == 6
+        sums = train_one_epoch(net, shard, sched, trial, epoch, 0)
+        losses.append(float(sums.loss_sum) / sums.samples)
+        assert sums.samples == 96 and sums.optimizer_steps == 6
     assert losses[-1] < losses[0]
     assert sched.last_epoch == 18
-    val = evaluate(model, shard, loss_fn, trial)
-    assert val["val_samples"] == 96 and val["val_char_total"] == 384
-    assert 0 <= float(val["val_exact"]) <= float(val["val_chars"]) <= 384
+    val = evaluate(net.core, shard, trial)
+    assert val.samples == 96 and val.char_total == 384
+    assert 0 <= float(val.exact) <= float(val.chars) <= 384
+
+
+class _FixedLogits(torch.nn.Module):
+    """Answers image i with logits[i]; i is written in the image's first pixel (so any batch order works)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, x):
+        return self.logits[(x[:, 0, 0, 0] * 255).round().long()]
+
+
+def test_evaluate_counts_exact_and_character_matches():
+    n, length, classes = 10, 4, 36
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, classes, (n, length))
+    # captcha i gets its first `right[i]` characters right and the rest wrong
+    right = [4, 4, 4, 3, 3, 2, 1, 0, 0, 4]  # 4 fully right, 25 of 40 characters right
+    logits = torch.full((n, length, classes), -5.0)
+    for i in range(n):
+        for j in range(length):
+            guess = labels[i, j] if j < right[i] else (labels[i, j] + 1) % classes
+            logits[i, j, guess] = 5.0
+    images = np.zeros((n, 24, 64), dtype=np.uint8)
+    images[:, 0, 0] = np.arange(n)
+    shard = Shard.build(CaptchaArrays(images, labels.astype(np.uint8)), 0, 1, classes, torch.device("cpu"))
+    val = evaluate(_FixedLogits(logits.view(n, -1)), shard, _trial(batch=3, n=n))  # batches of 3, 3, 3, 1
+    assert (float(val.exact), float(val.chars), val.samples, val.char_total) == (4, 25, n, n * length)
 
 
 def test_accumulation_keeps_global_batch_and_step_count():
@@ -101,11 +134,10 @@ def test_fast_loop_and_seed_loop_compute_the_same_loss_on_the_same_batch(tmp_pat
     seed_loss = train_steps(seed, loader, steps=1)[0]  # PIL per sample, fp32, .item() per step
 
     shard = Shard.build(read_folder(tmp_path, charset, 4, 64, 24, progress=False), 0, 1, 36, torch.device("cpu"))
-    opt = build_optimizer(ours, 1e-3, 1e-4, "cpu")
-    sums = train_one_epoch(ours, shard, opt, build_scheduler(opt, 1e-3, 1e-3, 0, 1), torch.amp.GradScaler("cpu", enabled=False),
-                           torch.nn.MultiLabelSoftMarginLoss(), trial, epoch=1, rank=0)
+    net = _net(ours, 1e-3)
+    sums = train_one_epoch(net, shard, build_scheduler(net.optimizer, 1e-3, 1e-3, 0, 1), trial, epoch=1, rank=0)
     # one batch of all 32 images (order differs, the mean and BatchNorm's statistics do not)
-    assert float(sums["train_loss_sum"]) / 32 == pytest.approx(seed_loss, rel=1e-5)
+    assert float(sums.loss_sum) / 32 == pytest.approx(seed_loss, rel=1e-5)
 
 
 def test_compile_trains_on_cpu():
@@ -114,12 +146,10 @@ def test_compile_trains_on_cpu():
     trial = _trial(batch=32, n=64)
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
     torch.manual_seed(0)
-    model = torch.compile(CaptchaCNN(24, 64, 4, 36, dropout=0.5).to(memory_format=torch.channels_last))
-    opt = build_optimizer(model, trial.peak_lr, 0.0, "cpu")
-    sched = build_scheduler(opt, trial.peak_lr, 1e-6, 0, trial.total_steps)
-    loss_fn = torch.nn.MultiLabelSoftMarginLoss()
-    losses = [float(train_one_epoch(model, shard, opt, sched, torch.amp.GradScaler("cpu", enabled=False), loss_fn,
-                                    trial, epoch, 0)["train_loss_sum"]) / 64 for epoch in (1, 2, 3)]
+    model = CaptchaCNN(24, 64, 4, 36, dropout=0.5).to(memory_format=torch.channels_last)
+    net = _net(model, trial.peak_lr, step_model=torch.compile(model))
+    sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, 0, trial.total_steps)
+    losses = [float(train_one_epoch(net, shard, sched, trial, epoch, 0).loss_sum) / 64 for epoch in (1, 2, 3)]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
@@ -146,11 +176,9 @@ def test_bf16_autocast_trains_on_cpu_like_fp32():
     losses = {}
     for precision in ("fp32", "bf16"):
         torch.manual_seed(0)
-        model = CaptchaCNN(24, 64, 4, 36, dropout=0.0).to(memory_format=torch.channels_last)
-        opt = build_optimizer(model, trial.peak_lr, 0.0, "cpu")
-        sched = build_scheduler(opt, trial.peak_lr, 1e-6, 0, trial.total_steps)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        losses[precision] = [float(train_one_epoch(model, shard, opt, sched, scaler, torch.nn.MultiLabelSoftMarginLoss(),
-                                                   trial, epoch, 0, precision)["train_loss_sum"]) / 96 for epoch in (1, 2, 3)]
+        net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0).to(memory_format=torch.channels_last), trial.peak_lr, precision)
+        sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, 0, trial.total_steps)
+        losses[precision] = [float(train_one_epoch(net, shard, sched, trial, epoch, 0).loss_sum) / 96
+                             for epoch in (1, 2, 3)]
     assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=0.02)  # same weights, same batches
     assert losses["bf16"][-1] < losses["bf16"][0]

@@ -6,7 +6,8 @@ from conftest import tiny_spec, write_spec
 from raysweep.cli import main
 from raysweep.config import load_config
 from raysweep.errors import UserError
-from raysweep.sweep import plan_concurrency, search_space
+from raysweep.cluster import plan_concurrency
+from raysweep.sweep import search_space
 from raysweep.tracking import resolve_tracking_uri
 
 SWEEP = dict(
@@ -83,6 +84,19 @@ def test_impossible_spec_errors_before_start(ray_cluster, tmp_path, capsys, over
 
 
 @pytest.mark.ray
+def test_data_too_small_for_the_trial_fails_before_any_trial_starts(ray_cluster, tmp_path, capsys):
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 14, "val_size": 8}},
+                     search={"per_gpu_batch_size": 1, "grad_accum_steps": 8, "base_lr": 1.0e-3, "warmup_epochs": 1,
+                             "weight_decay": 0.0})
+    assert main(["train", str(write_spec(tmp_path, spec))]) == 2
+    captured = capsys.readouterr()
+    error = captured.err.strip().splitlines()[-1]  # after the data's progress lines
+    assert error.startswith("raysweep: error: data: 14 training images give each of 2 workers 7, too few "
+                            "for 8 micro-batches per epoch"), captured.err
+    assert "epoch 1" not in captured.out and not (tmp_path / "mlflow.db").exists()  # no trial, no MLflow run
+
+
+@pytest.mark.ray
 def test_worker_group_that_cannot_start_fails_its_trial_after_a_bounded_wait(ray_cluster, tmp_path, capsys):
     import time
 
@@ -92,7 +106,7 @@ def test_worker_group_that_cannot_start_fails_its_trial_after_a_bounded_wait(ray
             return True
 
     hog = Hog.remote()
-    ray_cluster.get(hog.ready.remote())
+    ray_cluster.get(hog.ready.remote(), timeout=60)
     try:
         path = write_spec(tmp_path, tiny_spec(tmp_path))
         t0 = time.monotonic()
@@ -125,13 +139,18 @@ def test_plan_respects_cpus_cap_and_trial_drivers(tmp_path):
 
 
 def test_search_space_maps_each_distribution(tmp_path):
-    from ray.tune.search.sample import Categorical, Float, Integer
+    from ray.tune.search.sample import Categorical, Float, Integer, LogUniform, Uniform
 
-    space = search_space(load_config_from(tmp_path, SWEEP))
-    assert isinstance(space["per_gpu_batch_size"], Categorical)
-    assert isinstance(space["base_lr"], Float) and (space["base_lr"].lower, space["base_lr"].upper) == (1e-5, 3e-3)
+    search = {**SWEEP["search"], "weight_decay": {"uniform": [0.0, 0.01]}, "grad_accum_steps": 2}
+    space = search_space(load_config_from(tmp_path, {**SWEEP, "search": search}))
+    assert isinstance(space["per_gpu_batch_size"], Categorical) and space["per_gpu_batch_size"].categories == [16, 32]
+    lr = space["base_lr"]
+    assert isinstance(lr, Float) and isinstance(lr.get_sampler(), LogUniform) and (lr.lower, lr.upper) == (1e-5, 3e-3)
+    wd = space["weight_decay"]
+    assert isinstance(wd, Float) and isinstance(wd.get_sampler(), Uniform) and (wd.lower, wd.upper) == (0.0, 0.01)
     assert isinstance(space["warmup_epochs"], Integer) and space["warmup_epochs"].upper == 2  # inclusive 1
-    assert "grad_accum_steps" not in space
+    assert space["grad_accum_steps"] == 2  # fixed values pass through
+    assert "lr_rule" not in space  # unset knobs are not in the space
 
 
 def test_tracking_uri_is_absolute_and_file_store_refused(tmp_path):

@@ -52,7 +52,7 @@ def _fit(tmp_path, name, overrides, data_ref):
 
     import ray.train
 
-    from raysweep.train_loop import make_trainer
+    from raysweep.cluster import make_trainer
 
     log = tmp_path / f"{name}.reports.jsonl"
 
@@ -77,15 +77,21 @@ def data_ref(ray_cluster, tmp_path):
 
 
 def test_accumulation_gives_same_global_batch_and_steps(tmp_path, data_ref):
-    one, r_one = _fit(tmp_path, "accum-1", ["train.epochs=1", "search.per_gpu_batch_size=32"], data_ref)
-    two, r_two = _fit(tmp_path, "accum-2", ["train.epochs=1", "search.per_gpu_batch_size=16",
-                                           "search.grad_accum_steps=2"], data_ref)
+    from raysweep.optim import lr_at
+
+    common = ["train.epochs=2", "search.warmup_epochs=0"]
+    one, r_one = _fit(tmp_path, "accum-1", [*common, "search.per_gpu_batch_size=32"], data_ref)
+    two, r_two = _fit(tmp_path, "accum-2", [*common, "search.per_gpu_batch_size=16", "search.grad_accum_steps=2"],
+                      data_ref)
     assert one.global_batch_size == two.global_batch_size == 64
-    assert one.steps_per_epoch == two.steps_per_epoch == 3
-    # the same LR after the epoch means the scheduler stepped the same number of times
-    assert r_one[-1]["lr"] == pytest.approx(r_two[-1]["lr"], rel=1e-12)
-    assert r_one[-1]["lr"] != pytest.approx(one.peak_lr)  # and it did step (cosine has moved off peak)
-    assert r_one[-1]["samples_seen"] == r_two[-1]["samples_seen"] == 192
+    assert one.steps_per_epoch == two.steps_per_epoch == 3 and one.total_steps == 6
+    # after epoch 1 the scheduler has stepped exactly 3 times: halfway down the cosine, an LR that 0, 2,
+    # 4 or 6 steps (once per micro-batch, or never) would not give
+    schedule = (one.peak_lr, one.train.min_lr, one.warmup_steps, one.total_steps)
+    for reports in (r_one, r_two):
+        assert reports[0]["lr"] == pytest.approx(lr_at(3, *schedule), rel=1e-9)
+        assert all(reports[0]["lr"] != pytest.approx(lr_at(k, *schedule), rel=1e-3) for k in (0, 2, 4, 6))
+        assert reports[-1]["samples_seen"] == 2 * 192
 
 
 def test_resumed_run_continues_at_the_saved_epoch(tmp_path, data_ref):
@@ -101,12 +107,13 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
     """Each of those is one more Python process to start before the first report (benchmarks/ray_overhead.py)."""
     from ray.util.state import list_actors
 
-    def started(class_name):  # alive or dead: the GCS keeps the records of finished actors
-        return len(list_actors(filters=[("class_name", "=", class_name)], limit=10_000, raise_on_missing_output=False))
+    def actors():  # alive or dead: the GCS keeps the records of finished actors
+        return {a.actor_id: a.class_name for a in list_actors(limit=10_000, raise_on_missing_output=False)}
 
-    workers_before = started("RayTrainWorker")
+    before = actors()
     _, reports = _fit(tmp_path, "helpers", ["train.epochs=1"], data_ref)
     assert [r["epoch"] for r in reports] == [1]
-    assert started("RayTrainWorker") == workers_before + 2  # the query sees this run's actors
-    assert started("DatasetManager") == 0
-    assert started("PreemptionWatcher") == 0
+    started = [name for actor_id, name in actors().items() if actor_id not in before]  # this run's only
+    assert started.count("RayTrainWorker") == 2  # the query sees this run's actors
+    assert "TrainController" in started
+    assert "DatasetManager" not in started and "PreemptionWatcher" not in started

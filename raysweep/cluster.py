@@ -1,0 +1,201 @@
+"""The Ray runtime that `tune`, `train` and `probe` share: connect, plan, worker environment, trainer.
+
+Trial drivers hold a custom `trial_driver` resource (no CPU); each trial's workers hold
+`num_workers × resources_per_worker` in their own placement group. Concurrency is planned here so
+that every concurrent trial's workers fit at once: Ray never queues an oversubscribed worker group,
+it waits forever (RAY_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from raysweep.config import SweepConfig, TrialConfig
+from raysweep.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TRIAL_DRIVER = "trial_driver"  # custom resource a trial's driver holds, so drivers never take workers' CPUs
+LOCAL_TRIAL_DRIVERS = 64
+
+
+def ray_env(worker_start_timeout_s: float) -> dict[str, str]:
+    """Environment for every Ray process of the job (workers inherit the raylet's, not the driver's)."""
+    return {
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(int(math.ceil(worker_start_timeout_s))),
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        # the controller collects workers' reports this often; a worker's report() blocks while its
+        # one-slot queue still holds the previous epoch's, so the poll must be shorter than an epoch
+        # (GPU epochs can be well under the 2 s default)
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+        # a watcher actor per trial (one more Python process to start on the path to the first
+        # report) that polls for preempted nodes; raysweep's clusters are fixed machines, and a
+        # lost node still fails the worker group, restarted by FailureConfig
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    }
+
+
+def ray_init_kwargs(worker_start_timeout_s: float = 60, verbose: bool = False) -> dict:
+    """`ray.init` keywords for a local cluster; tests start theirs with these too."""
+    return dict(
+        resources={TRIAL_DRIVER: LOCAL_TRIAL_DRIVERS},
+        runtime_env={"env_vars": ray_env(worker_start_timeout_s)},
+        log_to_driver=verbose,
+        logging_level=logging.INFO if verbose else logging.WARNING,
+    )
+
+
+def connect(address: str | None, config: SweepConfig, verbose: bool) -> bool:
+    """Start or join Ray; returns True when this call started it (and so must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs = ray_init_kwargs(config.scaling.worker_start_timeout_s, verbose)
+    if address:
+        kwargs.pop("resources")  # a running cluster's resources were set by `ray start` (cluster.yaml)
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, ValueError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"--address {address}: cannot join a Ray cluster there ({reason}); start one with "
+                            f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
+    else:
+        ray.init(**kwargs)
+    return True
+
+
+@dataclass(frozen=True)
+class Plan:
+    trials_at_once: int
+    message: str
+
+
+def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_samples: int) -> Plan:
+    """How many trials fit at once: each holds a trial_driver and its workers' CPUs (and GPUs)."""
+    s = config.scaling
+    cpus, gpus, drivers = resources.get("CPU", 0), resources.get("GPU", 0), resources.get(TRIAL_DRIVER, 0)
+    need_cpu = s.num_workers * s.cpus_per_worker
+    if drivers < 1:
+        raise UserError(
+            f"the cluster has no '{TRIAL_DRIVER}' resource; start its head with "
+            f"ray start --head --resources='{{\"{TRIAL_DRIVER}\": 8}}' (cluster.yaml does)"
+        )
+    if s.use_gpu and gpus < s.num_workers:
+        raise UserError(
+            f"scaling: a trial needs {s.num_workers} GPUs ({s.num_workers} workers × 1) but the cluster has {gpus:g}; "
+            f"lower scaling.num_workers to {int(gpus)} or set scaling.use_gpu: false" if gpus >= 1 else
+            "scaling.use_gpu: true but the cluster has no GPU; set scaling.use_gpu: false (CPU workers, gloo) "
+            "or run on a GPU cluster (--address)"
+        )
+    if cpus < need_cpu:
+        raise UserError(
+            f"scaling: a trial needs {need_cpu:g} CPUs ({s.num_workers} workers × {s.cpus_per_worker:g}) but the "
+            f"cluster has {cpus:g}; lower scaling.num_workers or scaling.cpus_per_worker"
+        )
+    fit = int(cpus // need_cpu)
+    if s.use_gpu:
+        fit = min(fit, int(gpus // s.num_workers))
+    n = min(fit, int(drivers), num_samples, config.tune.max_concurrent_trials or fit)
+    unit = f"{gpus:g} GPU" if s.use_gpu else f"{cpus:g} CPU"
+    message = f"{unit}, {s.num_workers} workers/trial → {n} trial{'s' if n > 1 else ''} at a time"
+    if n == 1 and num_samples > 1:
+        message += "; ASHA prunes sequentially"
+    return Plan(n, message)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for a trial's worker processes (it must be in place when they start).
+
+    glibc backs large allocations with transparent huge pages: an activation over 32 MB is a fresh
+    mmap, faulted in 4 KiB pages on first touch (a 157 MB elementwise pass took 77 ms into new
+    memory, 13 ms into reused memory here); 2 MiB pages cut the faults 512×. On the CPU step at
+    batch 512: 48-52 → 65-69 images/s, same peak RSS. Plus the RAYSWEEP_TEST_* fault switches,
+    where set (tests only).
+    """
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
+    env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# An agreed failure (OOM past the downshifts, divergence) travels from rank 0 to the trial function
+# as a small JSON file in the run's own directory: the worker group ends cleanly, so Train does not
+# retry it, and the trial function turns the file into the trial's error.
+
+
+def failure_path(storage_path: str, name: str) -> str:
+    """Where rank 0 leaves an agreed failure for the trial function (the run's own directory)."""
+    return os.path.join(storage_path, name, "raysweep_failure.json")
+
+
+def read_failure(path: str) -> tuple[str, str] | None:
+    """(kind, message) of an agreed failure, or None."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    return data["kind"], data["message"]
+
+
+def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
+                 worker_fn=None, extra_config: dict | None = None):
+    """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
+
+    `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+
+    if worker_fn is None:
+        from raysweep.train_loop import train_worker as worker_fn
+    resources = {"CPU": trial.scaling.cpus_per_worker}
+    if trial.scaling.use_gpu:
+        resources["GPU"] = 1
+    return _trainer_class()(
+        worker_fn,
+        train_loop_config={"trial": trial.to_dict(), "data": data_ref, "failure_file": failure_path(storage_path, name),
+                           **(extra_config or {})},
+        scaling_config=ScalingConfig(
+            num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            callbacks=list(callbacks),
+            checkpoint_config=CheckpointConfig(num_to_keep=1),
+            # worker crashes restart from the last checkpoint; a group that cannot start is retried
+            # once, so the wait is bounded by 2 × worker_start_timeout_s
+            failure_config=FailureConfig(max_failures=trial.train.max_failures, controller_failure_limit=1),
+            logging_config=LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": env if env is not None else worker_env()},
+        ),
+    )
+
+
+@functools.cache
+def _trainer_class():
+    """`TorchTrainer` without Ray Data's per-run `DatasetManager` actor when no `datasets` are given.
+
+    Train V2 starts that actor for every run whether or not it has datasets: a fresh Python process
+    importing ray.data (about 1 s of CPU), started while the worker group sets up, on the path to
+    the first report. raysweep's data travels as one object ref, never as Ray Datasets.
+    `tests/test_train_ray.py` checks that a trial starts no DatasetManager, so a Ray upgrade that renames
+    this private hook fails there.
+    """
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class CaptchaTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return CaptchaTrainer

@@ -1,0 +1,245 @@
+"""Everything the driver prints: the plan, trial events, progress tables, epoch lines, summaries.
+
+Rank code never prints; library code logs. This module only formats and prints.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import datetime
+
+from raysweep.config import SweepConfig
+from raysweep.metrics import TrialView
+
+
+def fmt(value, spec: str = ".4g") -> str:
+    """A table cell: `-` for a missing value."""
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def format_table(columns, rows) -> str:
+    widths = [max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def now() -> str:
+    return datetime.now().strftime("%H:%M:%S")
+
+
+def epoch_line(r: dict, epochs: int) -> str:
+    """`train`'s line per epoch, from a reported result."""
+    mem = (f"peak mem {r['peak_mem_allocated_gb']:.2f} GiB" if r.get("peak_mem_allocated_gb")
+           else f"rss {r.get('rss_gb', 0):.2f} GiB")
+    return (f"epoch {int(r['epoch'])}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
+            f"val_exact_acc {r['val_exact_acc']:.3f}  val_char_acc {r['val_char_acc']:.3f}  lr {r['lr']:.2e}  "
+            f"{r['samples_per_s']:,.0f} samples/s  {mem}")
+
+
+class ConsoleProgress:
+    """Readable progress on the driver: events as they happen and a table every `every_s` seconds.
+
+    In `train` mode (one trial) it prints one line per epoch instead of tables.
+    """
+
+    COLUMNS = ("trial", "status", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch",
+               "val_loss", "val_exact", "samples/s", "mem_gib")
+
+    def __init__(self, config: SweepConfig, train_size: int, every_s: float = 30.0, per_epoch: bool = False):
+        self.config, self.train_size, self.every_s, self.per_epoch = config, train_size, every_s, per_epoch
+        self.started: dict[str, float] = {}
+        self.first_report_s: dict[str, float] = {}
+        self.last_table = time.monotonic()
+
+    def row(self, view: TrialView) -> list[str]:
+        t = self.config.trial(view.config, self.train_size)
+        mem = view.value("peak_mem_allocated_gb") or view.value("rss_gb")
+        return [view.trial_id, view.status, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size),
+                fmt(t.knobs.base_lr, ".2e"), fmt(t.peak_lr, ".2e"), fmt(t.knobs.warmup_epochs, "g"),
+                fmt(t.knobs.weight_decay, ".1e"), fmt(view.last.get("epoch")), fmt(view.value("val_loss")),
+                fmt(view.value("val_exact_acc"), ".3f"), fmt(view.value("samples_per_s"), ",.0f"), fmt(mem, ".2f")]
+
+    def table(self, views: list[TrialView]) -> str:
+        return format_table(self.COLUMNS, [self.row(v) for v in views])
+
+    # Tune callback hooks (the console callback forwards to these)
+    def trial_start(self, view: TrialView) -> None:
+        self.started.setdefault(view.trial_id, time.monotonic())
+        if not self.per_epoch:
+            t = self.config.trial(view.config, self.train_size)
+            print(f"[{now()}] start  {view.trial_id}: per-GPU batch {t.knobs.per_gpu_batch_size} × "
+                  f"{t.world_size} workers × {t.knobs.grad_accum_steps} accum = global {t.global_batch_size}, "
+                  f"peak LR {t.peak_lr:.2e}, warmup {t.knobs.warmup_epochs:g} ep, wd {t.knobs.weight_decay:.1e}",
+                  flush=True)
+
+    def trial_result(self, trial_id: str, result: dict) -> None:
+        if trial_id not in self.first_report_s and trial_id in self.started:
+            self.first_report_s[trial_id] = time.monotonic() - self.started[trial_id]
+        if self.per_epoch:
+            print(epoch_line(result, self.config.train.epochs), flush=True)
+
+    def trial_end(self, view: TrialView) -> None:
+        metric = self.config.tune.metric
+        print(f"[{now()}] {view.status:<8} {view.trial_id} at epoch {view.epoch}: {metric} {fmt(view.value(metric))}",
+              flush=True)
+        if view.error:
+            print(f"         {view.trial_id}: {view.error}", flush=True)
+
+    def step(self, views) -> None:
+        if self.per_epoch or time.monotonic() - self.last_table < self.every_s:
+            return
+        self.last_table = time.monotonic()
+        print(f"[{now()}] progress\n{self.table(list(views))}", flush=True)
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line every 10 % when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True):
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = enabled and total > 0
+        self.tty = sys.stderr.isatty()
+        self.start = self.last = time.monotonic()
+        self.last_decile = -1
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        decile = self.done * 10 // self.total
+        if (self.tty and now - self.last > 0.2) or (not self.tty and decile > self.last_decile):
+            self._print(now)
+            self.last, self.last_decile = now, decile
+
+    def _print(self, now: float) -> None:
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = (self.total - self.done) / rate if rate > 0 else 0
+        width = 30
+        filled = width * self.done // self.total
+        line = f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:,.0f}/s eta {eta:.0f}s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self._print(time.monotonic())
+            print(file=sys.stderr, flush=True)
+
+
+def print_plan(plan) -> None:
+    print(f"plan: {plan.message}", flush=True)
+
+
+def print_data(data, config: SweepConfig) -> None:
+    d = config.data
+    print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images {d.width}×{d.height}, "
+          f"{d.length} characters of {d.num_classes}", flush=True)
+
+
+def print_batch_cap(cap: int, probed=None) -> None:
+    """`probed`: the probe's result when the cap was measured (`max: probe`)."""
+    if probed is not None:
+        print(f"probe: largest per-GPU batch that fits {probed.largest}, cap {cap} after the margin")
+    print(f"batch cap: per-GPU batches above {cap} run as micro-batches ≤ {cap} with more accumulation "
+          f"(same global batch and LR)")
+
+
+def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_id: str, ui: str, link: str) -> None:
+    """Where the sweep's results are, and how to review them."""
+    print(f"results: {experiment_path}")
+    print(f"mlflow:  {tracking_uri} (experiment {experiment!r}, id {experiment_id})")
+    print(f"review:  {ui}\n         then open {link}")
+
+
+def print_check(config: SweepConfig) -> None:
+    """`check`: the resolved spec, and the derived values at the defaults."""
+    from raysweep.config import spec_yaml
+
+    print(spec_yaml(config), end="")
+    n = config.data.synthetic.train_size if config.data.train_dir is None else None
+    trial = config.trial({}, n or 1)
+    print("# derived at the defaults" + ("" if n else " (train size unknown until the folder is read: steps assume 1)"))
+    for key in ("global_batch_size", "peak_lr", "steps_per_epoch", "warmup_steps", "total_steps"):
+        print(f"#   {key}: {getattr(trial, key):.6g}")
+
+
+def make_console_callback(progress: ConsoleProgress):
+    """A `ray.tune.Callback` that forwards Tune's events to `progress` (ray.tune imported here, lazily)."""
+    from ray.tune import Callback
+
+    max_t = progress.config.max_t
+
+    class ConsoleCallback(Callback):
+        def on_trial_start(self, iteration, trials, trial, **info):
+            progress.trial_start(TrialView.of_trial(trial, max_t))
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            progress.trial_result(trial.trial_id, result)
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            progress.trial_end(TrialView.of_trial(trial, max_t, ended="complete"))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            progress.trial_end(TrialView.of_trial(trial, max_t, ended="error"))
+
+        def on_step_end(self, iteration, trials, **info):
+            if not progress.per_epoch:
+                progress.step(TrialView.of_trial(t, max_t) for t in trials)
+
+    return ConsoleCallback()
+
+
+def print_train_summary(config: SweepConfig, best: TrialView | None, train_size: int, wall_s: float,
+                        first_report_s: float | None) -> None:
+    """`train`'s closing line: the run's final figures."""
+    if best is None:
+        return
+    m, trial = best.last, config.trial(best.config, train_size)
+    line = (f"summary: {best.epoch} epochs in {wall_s:.0f}s; global batch {trial.global_batch_size}, "
+            f"peak LR {trial.peak_lr:.2e}; final train_loss {m['train_loss']:.4f}, val_loss {m['val_loss']:.4f}, "
+            f"val_exact_acc {m['val_exact_acc']:.3f}, val_char_acc {m['val_char_acc']:.3f}; "
+            f"{m['samples_per_s']:,.0f} samples/s (last epoch)")
+    if first_report_s is not None:
+        line += f"; first epoch reported {first_report_s:.1f}s after the trial started"
+    print(line)
+
+
+def print_sweep_summary(config: SweepConfig, views: list[TrialView], ranked: list[TrialView], train_size: int,
+                        wall_s: float, top: int = 5) -> None:
+    """`tune`'s closing lines: counts, epochs saved by ASHA, and the top trials."""
+    metric, mode = config.tune.metric, config.tune.mode
+    count = {s: sum(v.status == s for v in views) for s in ("finished", "pruned", "failed")}
+    epochs_run = sum(v.epoch for v in views)
+    budget = len(views) * config.max_t
+    print(f"\nsweep: {len(views)} trials in {wall_s:.0f}s: {count['finished']} finished, {count['pruned']} pruned by "
+          f"ASHA, {count['failed']} failed; {epochs_run} of {budget} epochs run ({budget - epochs_run} saved)")
+    rows = []
+    for v in ranked[:top]:
+        t = config.trial(v.config, train_size)
+        rows.append([v.trial_id, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size), f"{t.knobs.base_lr:.2e}",
+                     f"{t.peak_lr:.2e}", f"{t.knobs.warmup_epochs:g}", f"{t.knobs.weight_decay:.1e}", str(v.epoch),
+                     fmt(v.value(metric)), fmt(v.value("val_exact_acc"), ".3f"), fmt(v.value("samples_per_s"), ",.0f")])
+    if rows:
+        print(f"top trials by {metric} ({mode}):")
+        print(format_table(("trial", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch", metric,
+                            "val_exact", "samples/s"), rows))
+    if not ranked:
+        print("no trial succeeded", file=sys.stderr)
+
+
+def print_probe(result, margin: float) -> None:
+    """The probe's table and recommendation (`result`: probe.ProbeResult)."""
+    rows = [[str(r.per_gpu_batch_size), "yes" if r.fits else "OOM", f"{r.peak_mem_allocated_gb:.2f}",
+             f"{r.peak_mem_reserved_gb:.2f}", f"{r.peak_rss_gb:.2f}", f"{r.step_time_s:.3f}",
+             f"{r.images_per_s:,.0f}"] for r in result.rows]
+    print(f"probe: {result.world_size} workers on {result.device_name}, {result.precision}, one full step per batch")
+    print(format_table(("per_gpu_batch", "fits", "alloc_gib", "reserved_gib", "rss_gib", "step_s", "images/s"), rows))
+    print(f"largest per-GPU batch that fits: {result.largest}")
+    print(f"recommended: {result.recommended} ({result.memory_key} ≤ {result.limit_gb:.2f} GiB, a {margin:.0%} margin)")
+    print(f"table: {result.path}")

@@ -1,0 +1,137 @@
+"""The package's rooms: no import cycle, each module holds what its name says (read from the source)."""
+
+import ast
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "raysweep"
+
+
+def _imports(path: Path) -> set[str]:
+    """raysweep modules a file imports, at any depth (function-level imports count: they run too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "raysweep":
+            if node.module == "raysweep":
+                found.update(alias.name for alias in node.names)
+            else:
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("raysweep."))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
+    return {name: _imports(path) & set(modules) - {name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (a → b → … → a), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_in_the_package():
+    graph = _graph()
+    assert {"cluster", "console", "sweep", "tracking", "train_loop", "probe"} <= set(graph)
+    assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
+
+
+def test_probe_never_imports_sweep_and_the_rank_side_never_imports_the_driver_side():
+    graph = _graph()
+    assert "sweep" not in graph["probe"]
+    assert not graph["train_loop"] & {"cluster", "sweep", "probe", "tracking", "console", "cli"}
+    assert not graph["metrics"]  # names and records: the bottom of the house
+
+
+def _calls(path: Path, predicate) -> list[int]:
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if predicate(node)]
+
+
+def test_only_console_prints_and_only_tracking_talks_to_mlflow():
+    def is_print(node):
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+
+    def imports_mlflow(node):
+        if isinstance(node, ast.Import):
+            return any(a.name.split(".")[0] == "mlflow" for a in node.names)
+        return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mlflow"
+
+    for path in PACKAGE.glob("*.py"):
+        prints = _calls(path, is_print)
+        if path.stem == "cli":  # the one error line of `main`
+            assert len(prints) == 2, prints
+        elif path.stem != "console":
+            assert not prints, f"{path.name} prints at lines {prints}: console.py prints"
+        if path.stem != "tracking":
+            assert not _calls(path, imports_mlflow), f"{path.name} imports mlflow: tracking.py writes MLflow"
+
+
+def test_epoch_metrics_are_the_names_the_report_carries():
+    from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, EpochMetrics, WorkerParams, report_dict
+
+    metrics = EpochMetrics(**{f.name: 1 for f in fields(EpochMetrics)})
+    params = WorkerParams("cpu (1 threads)", "fp32", 16, 2, 1)
+    report = report_dict(metrics, params)
+    assert tuple(report) == METRIC_NAMES + WORKER_PARAMS
+    assert all(isinstance(v, (int, float, str)) for v in report.values())  # Ray Train rejects tensors
+
+
+@pytest.mark.parametrize("epoch, errored, expected", [(6, False, "finished"), (2, False, "pruned"), (6, True, "failed")])
+def test_one_rule_for_finished_pruned_failed(epoch, errored, expected):
+    from raysweep.metrics import TrialView, outcome
+
+    assert outcome(epoch, 6, errored) == expected
+
+    class Trial:  # what Tune's callbacks see: still RUNNING while on_trial_complete / on_trial_error run
+        trial_id, status, config, last_result = "t1", "RUNNING", {}, {"epoch": epoch}
+        error_file, error_msg = None, "ValueError: boom"
+
+    view = TrialView.of_trial(Trial(), 6, ended="error" if errored else "complete")
+    assert view.status == expected and (view.error == "ValueError: boom") == errored
+    assert TrialView.of_trial(Trial(), 6).status == "running"
+
+
+def test_train_summary_is_printed_without_a_first_report_time(tmp_path, capsys):
+    """Bug: the conditional at the end of an implicitly joined f-string blanked the whole line."""
+    from conftest import tiny_spec, write_spec
+    from raysweep.config import load_config
+    from raysweep.console import print_train_summary
+    from raysweep.metrics import TrialView
+
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
+    last = {"epoch": 3, "train_loss": 3.1, "val_loss": 3.2, "val_exact_acc": 0.0, "val_char_acc": 0.1,
+            "samples_per_s": 250.0}
+    best = TrialView("t1", "finished", config.default_knobs(), last)
+    print_train_summary(config, best, 192, 12.0, None)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("summary: 3 epochs in 12s; global batch 32") and "first epoch" not in line
+    print_train_summary(config, best, 192, 12.0, 9.5)
+    assert capsys.readouterr().out.strip().endswith("first epoch reported 9.5s after the trial started")
