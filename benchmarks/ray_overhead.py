@@ -63,6 +63,7 @@ def bare(config, data) -> list[float]:
     """The trial's loop in this process: returns seconds per epoch."""
     import torch
 
+    from raysweep.metrics import report_dict
     from raysweep.train_loop import TrainingRun, keep_host_memory
 
     keep_host_memory(torch.device("cpu"))  # as the worker does
@@ -73,8 +74,8 @@ def bare(config, data) -> list[float]:
     with tempfile.TemporaryDirectory() as d:
         for epoch in range(1, trial.train.epochs + 1):
             t0 = time.perf_counter()
-            run.epoch(epoch)
-            torch.save(run.state(epoch), os.path.join(d, "state.pt"))
+            reported = report_dict(run.epoch(epoch), run.worker_params())
+            torch.save(run.state(epoch, reported), os.path.join(d, "state.pt"))
             times.append(time.perf_counter() - t0)
     return times
 

@@ -15,6 +15,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from raysweep import storage
 from raysweep.config import SweepConfig, TrialConfig
 from raysweep.errors import UserError
 
@@ -40,11 +41,25 @@ def ray_env(worker_start_timeout_s: float) -> dict[str, str]:
     }
 
 
+def pin_ray_address() -> None:
+    """`worker_process_setup_hook` of the job: every Ray process of it knows its own cluster's address.
+
+    Train V2's PlacementGroupCleaner asks the State API for the controller's state with no address; with two
+    Ray instances on one machine (a test cluster beside a sweep's, two `ray start` sessions) that raises
+    "Found multiple active Ray instances", the cleaner's thread dies, and every finished trial's worker
+    placement group stays: the next trial's workers wait until they time out. Seen here; this fixes it.
+    """
+    import ray
+
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+
+
 def ray_init_kwargs(worker_start_timeout_s: float = 60, verbose: bool = False) -> dict:
     """`ray.init` keywords for a local cluster; tests start theirs with these too."""
     return dict(
         resources={TRIAL_DRIVER: LOCAL_TRIAL_DRIVERS},
-        runtime_env={"env_vars": ray_env(worker_start_timeout_s)},
+        runtime_env={"env_vars": ray_env(worker_start_timeout_s),
+                     "worker_process_setup_hook": "raysweep.cluster.pin_ray_address"},
         log_to_driver=verbose,
         logging_level=logging.INFO if verbose else logging.WARNING,
     )
@@ -131,16 +146,17 @@ def worker_env() -> dict[str, str]:
 
 
 def failure_path(storage_path: str, name: str) -> str:
-    """Where rank 0 leaves an agreed failure for the trial function (the run's own directory)."""
-    return os.path.join(storage_path, name, "raysweep_failure.json")
+    """Where rank 0 leaves an agreed failure for the trial function (the run's own directory, on the
+    run's storage: a local folder, NFS or s3://, through the same pyarrow layer as Ray's checkpoints)."""
+    return storage.join(storage_path, name, "raysweep_failure.json")
 
 
-def read_failure(path: str) -> tuple[str, str] | None:
+def read_failure(location: str) -> tuple[str, str] | None:
     """(kind, message) of an agreed failure, or None."""
-    if not os.path.exists(path):
+    text = storage.read_text(location)
+    if text is None:
         return None
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(text)
     return data["kind"], data["message"]
 
 

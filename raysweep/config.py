@@ -296,7 +296,10 @@ class SweepConfig(_Section):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = Field(
         "quickstart", description="MLflow experiment and Ray run directory name"
     )
-    storage_path: Path = Field(Path("./raysweep_results"), description="Ray results and checkpoints")
+    storage_path: str = Field(
+        "./raysweep_results",
+        description="Ray results and checkpoints: a folder, or on several machines shared storage (an NFS path or s3:// URI)",
+    )
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     scaling: ScalingConfig = ScalingConfig()

@@ -150,6 +150,13 @@ def print_batch_cap(cap: int, probed=None) -> None:
           f"(same global batch and LR)")
 
 
+def print_resumed(summary) -> None:
+    """`summary`: sweep.ResumeSummary, e.g. `resumed: 3 done, 1 running from epoch 4, 2 pending`."""
+    epochs = sorted({epoch for _, epoch in summary.running})
+    running = f"{len(summary.running)} running" + (f" from epoch {', '.join(map(str, epochs))}" if epochs else "")
+    print(f"resumed: {summary.done} done, {running}, {summary.pending} pending", flush=True)
+
+
 def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_id: str, ui: str, link: str) -> None:
     """Where the sweep's results are, and how to review them."""
     print(f"results: {experiment_path}")

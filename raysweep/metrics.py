@@ -40,6 +40,7 @@ class WorkerParams:
     micro_batch_size: int  # samples per forward/backward on one rank
     accumulation_steps: int  # micro-batches per optimizer step on one rank
     oom_downshifts: int  # times the start-up probe halved the micro-batch
+    nodes: str  # Ray node ids of the trial's workers, by rank, comma-separated (one machine's raylets share an IP)
 
 
 METRIC_NAMES = tuple(f.name for f in fields(EpochMetrics))
@@ -102,9 +103,17 @@ class TrialView:
         return cls(str(last.get("trial_id", "?")), status, dict(result.config or {}), last, error)
 
 
+WORKER_DEATH = ("worker process has died", "died unexpectedly", "A worker health check failed")
+
+
 def error_line(text: str) -> str:
     """The most telling line of an error text (the root cause, not Tune's wrapper)."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    # a killed or crashed worker surfaces as whichever rank noticed first (a failed health check, or a
+    # collective's "connection closed by peer" on the others): name the cause, not the symptom
+    death = next((ln for ln in lines if any(s in ln for s in WORKER_DEATH)), None)
+    if death is not None:
+        return f"worker died: a training worker process was killed or crashed ({death[:300]})"
     for i in range(len(lines) - 1, -1, -1):  # the innermost exception's message comes last
         line = lines[i]
         if ("Error" in line or "Exception" in line) and ":" in line and not line.startswith("File "):

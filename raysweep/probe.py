@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from pathlib import Path
 
+from raysweep import storage
 from raysweep.config import SweepConfig
 from raysweep.errors import UserError
 
@@ -63,12 +63,10 @@ def probe_worker(config: dict) -> None:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         last_fit = lo
-    if ctx.get_world_rank() == 0:
-        out = Path(opts.output_file)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"results": [asdict(r) for r in results], "largest": last_fit,
-                                   "world_size": ctx.get_world_size(), "device_name": device_name(device),
-                                   "precision": net.precision}, indent=1))
+    if ctx.get_world_rank() == 0:  # on the run's storage (local, NFS or s3://), where the driver reads it
+        storage.write_text(opts.output_file, json.dumps({
+            "results": [asdict(r) for r in results], "largest": last_fit, "world_size": ctx.get_world_size(),
+            "device_name": device_name(device), "precision": net.precision}, indent=1))
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ class ProbeResult:
     device_name: str
     precision: str
     world_size: int
-    path: Path
+    path: str  # the JSON table: a local path or a URI under storage_path
 
 
 def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: float = 0.1,
@@ -91,13 +89,13 @@ def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: f
     from raysweep.train_loop import ProbeStep
 
     trial = config.trial(config.default_knobs(), train_size=1)
-    storage = config.storage_path.expanduser().resolve() / config.name / "probe"
+    root = storage.join(storage.resolve(config.storage_path), config.name, "probe")
     name = f"probe-{datetime.now():%Y%m%d-%H%M%S}"
-    out = storage / name / "probe.json"
-    opts = ProbeOptions(start, max_batch, max_memory_gb, str(out))
-    make_trainer(trial, None, str(storage), name, env=worker_env(), worker_fn=probe_worker,
+    out = storage.join(root, name, "probe.json")
+    opts = ProbeOptions(start, max_batch, max_memory_gb, out)
+    make_trainer(trial, None, root, name, env=worker_env(), worker_fn=probe_worker,
                  extra_config={"probe": asdict(opts)}).fit()
-    data = json.loads(out.read_text())
+    data = json.loads(storage.read_text(out))
     rows = sorted((ProbeStep(**r) for r in data["results"]), key=lambda r: r.per_gpu_batch_size)
     gpu = config.scaling.use_gpu
     memory_key = "peak_mem_reserved_gb" if gpu else "peak_rss_gb"

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from raysweep import storage
 from raysweep.config import Choice, LogUniform, RandInt, SweepConfig, Uniform, spec_yaml
 from raysweep.errors import UserError
 from raysweep.metrics import TrialView
@@ -49,7 +49,7 @@ class SweepContext:
     config: SweepConfig
     data_ref: Any  # ObjectRef of data.CaptchaData: decoded once per sweep, zero-copy on each node
     train_size: int
-    train_storage: str  # absolute: Train runs live at <storage>/<name>/train/trial-<id>
+    train_storage: str  # absolute folder or URI: Train runs live at <storage>/<name>/train/trial-<id>
     worker_env: dict  # captured in the driver: trial actors do not see the driver's environment
     batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
 
@@ -67,8 +67,7 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     # the name must come from the trial id: an existing (storage, name) resumes from its checkpoint
     name = f"trial-{trial_id}"
     marker = failure_path(context.train_storage, name)
-    if os.path.exists(marker):
-        os.remove(marker)  # a restored trial tries again
+    storage.delete(marker)  # a restored trial tries again
     trainer = make_trainer(trial, context.data_ref, context.train_storage, name, [TuneReportCallback()],
                            env=context.worker_env)
     try:
@@ -99,10 +98,10 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
 
     t_start = time.monotonic()
     tracking_uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
-    storage = config.storage_path.expanduser().resolve()
+    storage_root = storage.resolve(config.storage_path)
     name = f"{config.name}-train" if single else config.name
-    experiment_path = storage / name
-    if resume and not experiment_path.is_dir():
+    experiment_path = storage.join(storage_root, name)
+    if resume and not storage.is_dir(experiment_path):
         raise UserError(f"--resume: no sweep at {experiment_path} (storage_path {str(config.storage_path)!r}, "
                         f"name {name!r}); run it without --resume first")
 
@@ -117,9 +116,11 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         data = load_data(config.data)  # decoded once per sweep; trials get an object ref, never paths
         console.print_data(data, config)
         config.check_data_fits(len(data.train), batch_cap, searched=not single)  # before any trial starts
-        context = SweepContext(config, ray.put(data), len(data.train), str(experiment_path / "train"), worker_env(),
+        context = SweepContext(config, ray.put(data), len(data.train), storage.join(experiment_path, "train"), worker_env(),
                                batch_cap)
         del data
+        if resume:
+            console.print_resumed(resume_summary(experiment_path, num_samples))
         experiment_id, parent_run_id = tracking.resumed_parent(tracking_uri, experiment_path) if resume else \
             tracking.open_sweep(
                 tracking_uri, config.experiment_name, run_name=f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}",
@@ -128,8 +129,12 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
         callbacks = [tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config, context.train_size),
                      console.make_console_callback(progress)]
-        results = _tuner(config, context, plan, single, resume, experiment_path, storage, name, callbacks).fit()
+        results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks).fit()
         wall_s = time.monotonic() - t_start
+        if results.num_terminated + results.num_errors < num_samples:
+            # Ctrl-C: Tune stopped the trials and saved the experiment; mark the runs, then say how to resume
+            tracking.close_sweep(tracking_uri, parent_run_id, None, config.tune.metric, "KILLED")
+            raise KeyboardInterrupt
         views = [TrialView.of_result(r, config.max_t) for r in results]
         ranked = rank(views, config.tune.metric, config.tune.mode)
         if single:
@@ -151,6 +156,63 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             import ray
 
             ray.shutdown()
+
+
+@dataclass(frozen=True)
+class ResumeSummary:
+    done: int  # trials that ended (finished, pruned or failed): not run again
+    running: list[tuple[str, int]]  # (trial id, last reported epoch): continue from their Train checkpoints
+    pending: int  # not started yet
+
+
+def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
+    """What `--resume` will find (read before Tune restores it): Tune's saved trial states, and for each
+    unfinished trial the epoch of its last Train checkpoint, where it continues (Tune's state, saved every
+    few seconds, can trail it, or hold no result for a trial that did train)."""
+    import json
+
+    from ray.tune import ExperimentAnalysis
+
+    trials = ExperimentAnalysis(experiment_path).trials
+    ended = [t for t in trials if t.status in ("TERMINATED", "ERROR")]
+    running = []
+    for t in trials:
+        if t in ended:
+            continue
+        snapshot = storage.read_text(storage.join(experiment_path, "train", f"trial-{t.trial_id}",
+                                                  "checkpoint_manager_snapshot.json"))
+        latest = (json.loads(snapshot).get("latest_checkpoint_result") or {}) if snapshot else {}
+        epoch = int((latest.get("metrics") or {}).get("epoch", 0) or (t.last_result or {}).get("epoch", 0))
+        if epoch:  # a trial stopped by Ctrl-C is saved PENDING, but it has trained: it continues too
+            running.append((t.trial_id, epoch))
+    return ResumeSummary(len(ended), running, num_samples - len(ended) - len(running))
+
+
+def make_rung_keeper(scheduler):
+    """A Tune callback that saves ASHA's rung records with the experiment and puts them back on restore.
+
+    `Tuner.restore` does not save the scheduler (ray #30838): without this a resumed sweep forgets every
+    rung recorded before the crash and stops cutting trials until the rungs refill. The callback and the
+    scheduler are pickled together in the tuner's state, so after a restore this callback holds the
+    restored scheduler; Tune saves callback states beside its experiment state, on `storage_path`.
+    """
+    from ray.tune import Callback
+
+    class RungKeeper(Callback):
+        def __init__(self):
+            self.scheduler = scheduler
+
+        def get_state(self) -> dict:
+            return {"rungs": [[(milestone, dict(recorded)) for milestone, recorded in bracket._rungs]
+                              for bracket in self.scheduler._brackets]}
+
+        def set_state(self, state: dict) -> None:
+            for bracket, rungs in zip(self.scheduler._brackets, state["rungs"]):
+                for (milestone, recorded), (saved_milestone, saved) in zip(bracket._rungs, rungs):
+                    if milestone == saved_milestone:
+                        recorded.update(saved)
+
+    return RungKeeper()
 
 
 def rank(views: list[TrialView], metric: str, mode: str) -> list[TrialView]:
@@ -178,7 +240,7 @@ def resolve_batch_cap(config: SweepConfig, cap_batch: int | None) -> int | None:
     return cap
 
 
-def _tuner(config, context, plan, single, resume, experiment_path, storage, name, callbacks):
+def _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
@@ -187,10 +249,11 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage, name
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), {TRIAL_DRIVER: 1})
     if resume:
-        if not tune.Tuner.can_restore(str(experiment_path)):
+        if not tune.Tuner.can_restore(experiment_path):
             raise UserError(f"--resume: {experiment_path} holds no restorable Tune experiment")
-        # callbacks come back from the experiment's own state (with their run ids)
-        return tune.Tuner.restore(str(experiment_path), trainable=trainable, resume_unfinished=True, resume_errored=True)
+        # callbacks (MLflow run ids, ASHA's rungs) come back from the experiment's own state. Errored trials
+        # (OOM past the downshifts, divergence, restarts spent) ended with a verdict: they are not rerun.
+        return tune.Tuner.restore(experiment_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
     t = config.tune
     if single:
         param_space, scheduler, search_alg = config.default_knobs(), None, None
@@ -209,6 +272,7 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage, name
             time_attr="epoch",  # worker-reported: Tune's training_iteration restarts at 1 after a restore
             max_t=config.max_t, grace_period=t.asha.grace_period, reduction_factor=t.asha.reduction_factor,
         )
+        callbacks = [*callbacks, make_rung_keeper(scheduler)]
     return tune.Tuner(
         trainable,
         param_space=param_space,
@@ -216,5 +280,5 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage, name
             metric=t.metric, mode=t.mode, num_samples=1 if single else t.num_samples, scheduler=scheduler,
             search_alg=search_alg, max_concurrent_trials=None if search_alg else plan.trials_at_once,
         ),
-        run_config=tune.RunConfig(name=name, storage_path=str(storage), callbacks=callbacks, verbose=0),
+        run_config=tune.RunConfig(name=name, storage_path=storage_root, callbacks=callbacks, verbose=0),
     )

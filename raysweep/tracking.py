@@ -6,8 +6,10 @@ stays instant (`--help`, `check`).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
@@ -81,6 +83,11 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
     report with step = epoch, and the final status: FINISHED (reached max_t), KILLED + stopped_by=asha
     (cut early), FAILED + error tag. Run ids live in get_state/set_state so a restored sweep keeps
     writing to the same runs.
+
+    MLflow appends: an epoch reported again (a worker group restarted from an older checkpoint, a
+    resumed trial) would be a second value at the same step. The callback keeps the last epoch it
+    logged per run (in its state too) and skips anything at or below it; after a restore it reads that
+    epoch back from the store, which the last saved state may trail.
     """
     from ray.tune import Callback
 
@@ -89,6 +96,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             self.tracking_uri, self.experiment_id, self.parent_run_id = tracking_uri, experiment_id, parent_run_id
             self.config, self.train_size = config, train_size
             self.runs: dict[str, str] = {}  # trial id → MLflow run id
+            self.logged: dict[str, int] = {}  # trial id → last epoch logged
             self._client = None
 
         @property
@@ -103,11 +111,15 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             return {**self.__dict__, "_client": None}
 
         def get_state(self) -> dict:
-            return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id}
+            return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id, "logged": dict(self.logged)}
 
         def set_state(self, state: dict) -> None:
             self.runs.update(state["runs"])
             self.parent_run_id = state["parent_run_id"]
+            self.logged.update(state.get("logged", {}))
+            for trial_id, run_id in self.runs.items():  # the store is the truth: the state may trail it
+                history = self.client.get_metric_history(run_id, "epoch")
+                self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
 
         def _run_for(self, trial) -> str:
             run_id = self.runs.get(trial.trial_id)
@@ -135,14 +147,18 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
 
             run_id = self._run_for(trial)
             step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
+            last = self.logged.get(trial.trial_id, 0)
+            if step <= last:  # reported again after a restart: MLflow already holds this epoch
+                return
             metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
             params = []
-            if step == 1:  # known only on the workers (after their start-up probe step)
+            if last == 0:  # known only on the workers (after their start-up probe step)
                 params = [Param(k, str(result[k])) for k in WORKER_PARAMS if k in result]
             try:
                 self.client.log_batch(run_id, metrics=metrics, params=params)
-            except Exception:  # a re-logged param after a restart must never stop the sweep
+            except Exception:  # a param logged before with another value (a restart on other nodes)
                 self.client.log_batch(run_id, metrics=metrics)
+            self.logged[trial.trial_id] = step
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             run_id = self._run_for(trial)
@@ -219,7 +235,7 @@ def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin
               "largest_per_gpu_batch": result.largest, "recommended_per_gpu_batch": result.recommended,
               "margin": margin, "memory_limit_gb": round(result.limit_gb, 3)}
     client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
-    client.log_artifact(run_id, str(result.path))
+    client.log_text(run_id, json.dumps([asdict(r) for r in result.rows], indent=1), "probe.json")
     fig, (ax_mem, ax_rate) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [r.per_gpu_batch_size for r in result.rows]
     colors = ["tab:green" if r.fits else "tab:red" for r in result.rows]

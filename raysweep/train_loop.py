@@ -225,26 +225,31 @@ def train_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     keep_host_memory(device)
     run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device, wrap=ray.train.torch.prepare_model)
+    run.nodes = gather_strings(ray.get_runtime_context().get_node_id())
     del data
     start_epoch = run.restore(ray.train.get_checkpoint())
+    if run.last_report:
+        # the checkpoint's epoch again (every rank): its report may have died with a killed driver, and a run
+        # that had finished must end with its real final result; trackers skip what they already hold
+        ray.train.report(run.last_report)
     try:
         run.fit_in_memory()
         for epoch in range(start_epoch, trial.train.epochs + 1):
-            metrics = run.epoch(epoch)
+            payload = report_dict(run.epoch(epoch), run.worker_params())
             due = epoch % trial.train.checkpoint_every == 0 or epoch == trial.train.epochs
-            report(report_dict(metrics, run.worker_params()), rank, due, lambda: run.state(epoch))
+            report(payload, rank, due, lambda: run.state(epoch, payload))
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         if rank == 0:
             write_failure(config["failure_file"], failure)
 
 
-def write_failure(path: str, failure: TrialFailure) -> None:
+def write_failure(location: str, failure: TrialFailure) -> None:
     """Rank 0's half of the agreed-failure file (cluster.read_failure is the trial function's half)."""
     import json
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"kind": failure.kind, "message": str(failure)}, f)
+    from raysweep import storage
+
+    storage.write_text(location, json.dumps({"kind": failure.kind, "message": str(failure)}))
 
 
 @dataclass
@@ -259,6 +264,8 @@ class TrainingRun:
     rank: int
     samples_seen: int = 0
     downshifts: int = 0
+    nodes: str = ""  # every rank's Ray node id, by rank
+    last_report: dict | None = None  # what the restored checkpoint's epoch reported
 
     @classmethod
     def build(cls, trial: TrialConfig, data, rank: int, world_size: int, device: torch.device, wrap=None) -> TrainingRun:
@@ -280,6 +287,7 @@ class TrainingRun:
         self.scheduler.load_state_dict(state["scheduler"])
         self.net.scaler.load_state_dict(state["scaler"])
         self.samples_seen = state["samples_seen"]
+        self.last_report = state.get("report")
         if self.rank == 0:
             log.info("resumed from checkpoint at epoch %d", state["epoch"])
         return state["epoch"] + 1
@@ -300,15 +308,16 @@ class TrainingRun:
         raise TrialFailure("oom", f"OOM at per-GPU batch {self.trial.knobs.per_gpu_batch_size} "
                                   f"(micro-batch {micro} after {self.downshifts} downshifts)")
 
-    def state(self, epoch: int) -> dict:
+    def state(self, epoch: int, reported: dict) -> dict:
+        """The checkpoint: everything to continue after `epoch`, and what that epoch reported."""
         net = self.net
         return {"model": net.core.state_dict(), "optimizer": net.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": net.scaler.state_dict(), "epoch": epoch,
-                "samples_seen": self.samples_seen}
+                "samples_seen": self.samples_seen, "report": reported}
 
     def worker_params(self) -> WorkerParams:
         return WorkerParams(device_name(self.net.device), self.net.precision, self.trial.micro_batch_size,
-                            self.trial.accumulation_steps, self.downshifts)
+                            self.trial.accumulation_steps, self.downshifts, self.nodes)
 
     def epoch(self, epoch: int) -> EpochMetrics:
         """Train one epoch, evaluate, reduce across ranks."""
@@ -631,6 +640,15 @@ def report(metrics: dict, rank: int, checkpoint_due: bool, state_fn) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
     else:
         ray.train.report(metrics)
+
+
+def gather_strings(value: str) -> str:
+    """Every rank's `value`, by rank, comma-separated (one collective, at start-up only)."""
+    if not _distributed():
+        return value
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return ",".join(values)
 
 
 def _distributed() -> bool:

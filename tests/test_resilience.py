@@ -1,0 +1,273 @@
+"""Sweeps that survive: a worker SIGKILLed mid-trial, the driver SIGKILLed or Ctrl-C'd and resumed, ASHA's
+memory across a resume. Real Ray (the session cluster, or a driver process the test starts), real MLflow."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, tiny_spec, write_spec
+from raysweep.cli import main
+
+
+_CLIENTS = {}
+
+
+def _client(tmp_path):
+    """One client per store: a new one opens a new engine (seconds of CPU), and polling with fresh ones
+    starved the 2-core machine until a trial's workers missed their 60 s start-up window."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if uri not in _CLIENTS:
+        _CLIENTS[uri] = MlflowClient(uri)
+    return _CLIENTS[uri]
+
+
+def _children(tmp_path, experiment="t"):
+    client = _client(tmp_path)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return [r for r in client.search_runs([found.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+
+
+def _steps(tmp_path, run, metric="val_loss"):
+    return [m.step for m in _client(tmp_path).get_metric_history(run.info.run_id, metric)]
+
+
+def _wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _train_workers():
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+                                   raise_on_missing_output=False)]
+
+
+def _kill_a_worker_after_epoch(tmp_path, epoch, killed: list):
+    """In a thread: once MLflow holds `epoch`, SIGKILL one rank of the running trial (by the pid Ray lists)."""
+    def run():
+        def logged():
+            runs = _children(tmp_path)
+            return runs and len(_steps(tmp_path, runs[0])) >= epoch
+
+        _wait_for(logged, 240, f"epoch {epoch} in MLflow")
+        worker = _wait_for(_train_workers, 60, "a live train worker")[-1]
+        os.kill(worker.pid, signal.SIGKILL)
+        killed.append(worker.pid)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.ray
+def test_worker_killed_mid_trial_restarts_from_its_checkpoint_and_logs_each_epoch_once(ray_cluster, tmp_path, capsys):
+    # checkpoints every 2 epochs: a rank killed during epoch 4 restarts from epoch 2, so epoch 3 is
+    # reported a second time; MLflow must still hold one value per (metric, epoch)
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+                     train={"epochs": 5, "reference_batch_size": 64, "checkpoint_every": 2, "max_failures": 1})
+    killed = []
+    thread = _kill_a_worker_after_epoch(tmp_path, 3, killed)
+    assert main(["train", str(write_spec(tmp_path, spec))]) == 0
+    thread.join(timeout=10)
+    assert killed, "no worker was killed"
+    (run,) = _children(tmp_path)
+    assert run.info.status == "FINISHED"
+    from raysweep.metrics import METRIC_NAMES
+
+    for name in METRIC_NAMES:
+        assert _steps(tmp_path, run, name) == [1, 2, 3, 4, 5], name  # each epoch once, none lost
+    samples = {m.step: m.value for m in _client(tmp_path).get_metric_history(run.info.run_id, "samples_seen")}
+    assert samples[5] == 5 * 384  # the restart resumed the count from the checkpoint, not from zero
+    assert "epoch 3/5" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+def test_trial_whose_restarts_are_spent_ends_failed_with_the_cause(ray_cluster, tmp_path, capsys):
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+                     train={"epochs": 4, "reference_batch_size": 64, "max_failures": 0})
+    killed = []
+    thread = _kill_a_worker_after_epoch(tmp_path, 1, killed)
+    assert main(["train", str(write_spec(tmp_path, spec))]) == 1  # no trial succeeded
+    thread.join(timeout=10)
+    assert killed
+    (run,) = _children(tmp_path)
+    assert run.info.status == "FAILED"
+    error = run.data.tags["error"]
+    assert error.startswith("worker died: a training worker process was killed or crashed"), error
+    assert _steps(tmp_path, run)[0] == 1  # the epochs before the crash stay recorded
+
+
+def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
+    """Ray does not save the scheduler (#30838); the RungKeeper callback does, and a restored scheduler
+    cuts a new trial against the rungs recorded before the crash."""
+    import ray.cloudpickle as cloudpickle
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    from raysweep.sweep import make_rung_keeper
+
+    class Trial:
+        def __init__(self, trial_id):
+            self.trial_id = trial_id
+
+    def fresh():
+        scheduler = ASHAScheduler(time_attr="epoch", metric="val_loss", mode="min", max_t=4, grace_period=1,
+                                  reduction_factor=2)
+        return scheduler, make_rung_keeper(scheduler)
+
+    before, keeper = fresh()
+    for trial_id, loss in (("a", 0.5), ("b", 0.4), ("c", 0.6)):
+        before.on_trial_add(None, Trial(trial_id))
+        before.on_trial_result(None, Trial(trial_id), {"epoch": 1, "val_loss": loss})
+    state = keeper.get_state()  # what Tune saves with the experiment
+
+    def decision(restore: bool):
+        scheduler, callback = cloudpickle.loads(cloudpickle.dumps(fresh()))  # as Tuner.restore unpickles them
+        assert callback.scheduler is scheduler
+        if restore:
+            callback.set_state(state)
+        scheduler.on_trial_add(None, Trial("d"))
+        return scheduler.on_trial_result(None, Trial("d"), {"epoch": 1, "val_loss": 0.9})
+
+    assert decision(restore=True) == TrialScheduler.STOP  # 0.9 is worse than the pre-crash cutoff
+    assert decision(restore=False) == TrialScheduler.CONTINUE  # what Ray alone does: an empty rung cuts nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver killed: SIGINT (Ctrl-C) and SIGKILL, each followed by `tune --resume`, in driver processes the
+# test starts (each starts its own local Ray cluster, 2 CPUs).
+
+
+def _start_driver(spec_path, log_path, *extra):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "raysweep", "tune", str(spec_path), *extra], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _descendants(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_tree(proc, sig):
+    """Send `sig` to the driver; with SIGKILL also stop what it started (a SIGKILLed driver leaves Ray's agents
+    behind, ppid 1: RAY_NOTES.md), by pid."""
+    import psutil
+
+    tree = _descendants(proc.pid)
+    os.kill(proc.pid, sig)
+    if sig == signal.SIGKILL:
+        proc.wait(timeout=30)
+        time.sleep(1)
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=30)
+
+
+def _running_trial_at_epoch(tmp_path, epoch):
+    def check():
+        for run in _children(tmp_path):
+            if run.info.status == "RUNNING" and len(_steps(tmp_path, run)) >= epoch:
+                return run
+        return None
+
+    return check
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, tmp_path):
+    spec = tiny_spec(
+        tmp_path,
+        data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+        train={"epochs": 4, "reference_batch_size": 64},
+        search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16},
+                "base_lr": {"loguniform": [1.0e-5, 3.0e-3], "default": 2.0e-3},
+                "warmup_epochs": {"randint": [0, 1], "default": 1}, "weight_decay": 1.0e-4},
+        tune={"num_samples": 4, "seed": 0, "asha": {"grace_period": 1, "reduction_factor": 2}},
+    )
+    path = write_spec(tmp_path, spec)
+
+    # 1. Ctrl-C while a trial is at epoch 2: exit 130, the resume hint, nothing left RUNNING in MLflow
+    driver = _start_driver(path, tmp_path / "run1.log")
+    try:
+        _wait_for(_running_trial_at_epoch(tmp_path, 2), 240, "a trial at epoch 2")
+        _kill_tree(driver, signal.SIGINT)
+        assert driver.wait(timeout=120) == 130
+    finally:
+        if driver.poll() is None:
+            _kill_tree(driver, signal.SIGKILL)
+    out = (tmp_path / "run1.log").read_text()
+    assert "raysweep: interrupted (resume with: python -m raysweep tune SPEC --resume)" in out, out[-3000:]
+    assert all(r.info.status != "RUNNING" for r in _children(tmp_path))
+
+    # 2. resume, then SIGKILL while a trial runs past its first checkpoint
+    driver = _start_driver(path, tmp_path / "run2.log", "--resume")
+    try:
+        def a_running_trial_after_two_ended():
+            ended = [r for r in _children(tmp_path) if r.info.status in ("FINISHED", "KILLED", "FAILED")]
+            return len(ended) >= 2 and _running_trial_at_epoch(tmp_path, 1)()
+
+        victim = _wait_for(a_running_trial_after_two_ended, 300, "two trials ended and one at epoch 1")
+        _kill_tree(driver, signal.SIGKILL)
+    finally:
+        if driver.poll() is None:
+            _kill_tree(driver, signal.SIGKILL)
+    assert "resumed: " in (tmp_path / "run2.log").read_text()
+    logged_before = len(_steps(tmp_path, victim))
+
+    # 3. resume again: every trial ends, the killed one continues from its checkpoint
+    resumed_at = int(time.time())
+    driver = _start_driver(path, tmp_path / "run3.log", "--resume")
+    try:
+        assert driver.wait(timeout=300) == 0
+    finally:
+        if driver.poll() is None:
+            _kill_tree(driver, signal.SIGKILL)
+    out = (tmp_path / "run3.log").read_text()
+    match = re.search(r"resumed: (\d+) done, (\d+) running(?: from epoch [\d, ]+)?, (\d+) pending", out)
+    assert match and sum(map(int, match.groups())) == 4, out[-3000:]
+    assert "sweep: 4 trials" in out
+
+    children = _children(tmp_path)
+    assert len(children) == 4 and len({r.info.run_name for r in children}) == 4  # the same runs, reused
+    client = _client(tmp_path)
+    (parent,) = [r for r in client.search_runs([children[0].info.experiment_id]) if r.info.run_id ==
+                 children[0].data.tags["mlflow.parentRunId"]]
+    assert parent.info.status == "FINISHED"
+    for run in children:
+        assert run.info.status in ("FINISHED", "KILLED"), run.info.run_name  # nothing left RUNNING
+        steps = _steps(tmp_path, run)
+        assert steps == list(range(1, len(steps) + 1)), (run.info.run_name, steps)  # one value per epoch
+    (victim_after,) = [r for r in children if r.info.run_name == victim.info.run_name]
+    assert len(_steps(tmp_path, victim_after)) >= logged_before
+    # the killed trial continued from its Train checkpoint: what it reported after the resume starts past epoch 1
+    (result_file,) = (tmp_path / "results" / "t").glob(f"run_trial_{victim.info.run_name}_*/result.json")
+    import json
+
+    after = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
+    after = [r["epoch"] for r in after if r["timestamp"] >= resumed_at and "epoch" in r]
+    assert after and min(after) > 1, after
