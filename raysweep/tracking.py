@@ -122,8 +122,10 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
                 self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
 
         def _run_for(self, trial) -> str:
-            run_id = self.runs.get(trial.trial_id)
-            if run_id is None:
+            run_id = self.runs.get(trial.trial_id) or self._existing_run(trial.trial_id)
+            if run_id is not None:
+                self.runs[trial.trial_id] = run_id
+            else:
                 from mlflow.entities import Param
 
                 run = self.client.create_run(
@@ -136,10 +138,21 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
                 self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
             return run_id
 
+        def _existing_run(self, trial_id: str) -> str | None:
+            """The trial's child run when the saved state predates it (a driver killed after creating it)."""
+            found = self.client.search_runs(
+                [self.experiment_id], max_results=1,
+                filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and tags.trial_id = '{trial_id}'")
+            if not found:
+                return None
+            run_id = found[0].info.run_id
+            history = self.client.get_metric_history(run_id, "epoch")
+            self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
+            return run_id
+
         def on_trial_start(self, iteration, trials, trial, **info):
-            resumed = trial.trial_id in self.runs
             run_id = self._run_for(trial)
-            if resumed:
+            if self.client.get_run(run_id).info.status != "RUNNING":  # resumed: interrupted runs were KILLED
                 self.client.update_run(run_id, status="RUNNING")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):

@@ -7,6 +7,11 @@ import os
 # Ray reads these when first imported (before any test module imports it)
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+# dummy credentials for the S3 API on loopback (moto) in test_cluster.py; set before any Ray process starts,
+# so that every one of them (Tune's, Train's) inherits them
+for _key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+    os.environ.setdefault(_key, "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 from pathlib import Path  # noqa: E402
 

@@ -160,31 +160,16 @@ def _start_driver(spec_path, log_path, *extra):
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _descendants(pid):
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def _kill_tree(proc, sig):
     """Send `sig` to the driver; with SIGKILL also stop what it started (a SIGKILLed driver leaves Ray's agents
-    behind, ppid 1: RAY_NOTES.md), by pid."""
-    import psutil
+    behind, ppid 1: RAY_NOTES.md), by pid: the soak's own helper."""
+    if sig != signal.SIGKILL:
+        os.kill(proc.pid, sig)
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from soak import sigkill_driver
 
-    tree = _descendants(proc.pid)
-    os.kill(proc.pid, sig)
-    if sig == signal.SIGKILL:
-        proc.wait(timeout=30)
-        time.sleep(1)
-        for child in tree:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(tree, timeout=30)
+    sigkill_driver(proc)
 
 
 def _running_trial_at_epoch(tmp_path, epoch):

@@ -1,0 +1,200 @@
+"""Soak: a long sweep under faults, then an audit of the MLflow store (outside the CI suite).
+
+A sweep of --trials trials (room for one at a time: 2 CPU workers on this 2-core machine) runs in a
+driver process this script starts. Every --kill-every seconds a random rank of the running trial is
+SIGKILLed (its worker group restarts from the trial's checkpoint); the driver itself is SIGKILLed
+--driver-kills times and resumed with `tune --resume`. At the end the MLflow store must hold every
+trial, each child run terminal, and exactly one value per (run, metric, epoch) with no gap.
+
+    python benchmarks/soak.py            # 24 trials, about 15 minutes here
+    python benchmarks/soak.py --quick    # 6 trials, one driver kill
+
+Last line: RESULT soak trials=.. faults=.. restarts=.. lost=.. duplicates=..
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SPEC = """
+name: soak
+storage_path: {tmp}/results
+data: {{width: 64, height: 24, synthetic: {{train_size: 384, val_size: 64, seed: 0}}}}
+scaling: {{num_workers: 2, cpus_per_worker: 1}}
+train: {{epochs: 4, reference_batch_size: 64, max_failures: 20}}
+search:
+  per_gpu_batch_size: {{choice: [16, 32], default: 16}}
+  base_lr: {{loguniform: [1.0e-4, 3.0e-3], default: 1.0e-3}}
+  warmup_epochs: {{randint: [0, 1], default: 1}}
+  weight_decay: {{loguniform: [1.0e-5, 1.0e-2], default: 1.0e-4}}
+tune: {{num_samples: {trials}, seed: 0, asha: {{grace_period: 1, reduction_factor: 2}}}}
+mlflow: {{tracking_uri: "sqlite:///{tmp}/mlflow.db"}}
+"""
+
+
+def descendants(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def train_workers(driver_pid: int):
+    """The driver's Ray Train worker processes (by their Ray process title)."""
+    found = []
+    for p in descendants(driver_pid):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                found.append(p)
+        except Exception:
+            pass
+    return found
+
+
+def sigkill_driver(driver: subprocess.Popen) -> None:
+    """SIGKILL the driver, then what it started (a killed driver leaves Ray's agents behind), by pid."""
+    import psutil
+
+    tree = descendants(driver.pid)
+    driver.kill()
+    driver.wait(timeout=60)
+    time.sleep(1)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=30)
+
+
+class Store:
+    def __init__(self, uri: str):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(uri)
+
+    def children(self):
+        experiment = self.client.get_experiment_by_name("soak")
+        if experiment is None:
+            return []
+        return [r for r in self.client.search_runs([experiment.experiment_id], max_results=1000)
+                if "mlflow.parentRunId" in r.data.tags]
+
+    def epochs(self, run_id: str) -> list[int]:
+        return [int(m.step) for m in self.client.get_metric_history(run_id, "epoch")]
+
+    def logged_count(self) -> int:
+        return sum(len(self.epochs(r.info.run_id)) for r in self.children())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=24)
+    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between worker kills")
+    p.add_argument("--driver-kills", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    if a.quick:
+        a.trials, a.driver_kills = 6, 1
+    rng = random.Random(a.seed)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token"}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "soak.yaml"
+        spec.write_text(SPEC.format(tmp=tmp, trials=a.trials))
+        store = Store(f"sqlite:///{tmp}/mlflow.db")
+        worker_kills, restart_s, resume_s, drivers = 0, [], [], 0
+        # the driver is killed once a third, twice two thirds of the way through (by trials ended)
+        kill_after = [round(a.trials * (i + 1) / (a.driver_kills + 1)) for i in range(a.driver_kills)]
+        t_start = time.monotonic()
+        while True:
+            resume = drivers > 0
+            log = open(Path(tmp) / f"driver-{drivers}.log", "w")
+            cmd = [sys.executable, "-m", "raysweep", "tune", str(spec), "--progress-every", "600"]
+            driver = subprocess.Popen(cmd + (["--resume"] if resume else []), cwd=ROOT, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+            drivers += 1
+            t_driver, logged_at_start = time.monotonic(), store.logged_count()
+            next_kill = time.monotonic() + a.kill_every
+            pending_restart = None  # (run id, epochs logged, kill time)
+            killed_driver = False
+            while driver.poll() is None:
+                time.sleep(1.0)
+                now = time.monotonic()
+                if resume and len(resume_s) < drivers - 1 and store.logged_count() > logged_at_start:
+                    resume_s.append(now - t_driver)  # resume → the first new epoch in MLflow
+                running = [r for r in store.children() if r.info.status == "RUNNING"]
+                if pending_restart:
+                    if len(store.epochs(pending_restart[0])) > pending_restart[1]:
+                        restart_s.append(now - pending_restart[2])  # kill → the trial's next epoch
+                        pending_restart = None
+                if now >= next_kill and running:
+                    workers = train_workers(driver.pid)
+                    if workers:
+                        victim = rng.choice(workers)
+                        victim.kill()
+                        worker_kills += 1
+                        run = running[0]
+                        pending_restart = (run.info.run_id, len(store.epochs(run.info.run_id)), now)
+                    next_kill = now + a.kill_every
+                ended = sum(r.info.status in ("FINISHED", "KILLED", "FAILED") for r in store.children())
+                if kill_after and ended >= kill_after[0] and running:
+                    kill_after.pop(0)
+                    sigkill_driver(driver)
+                    killed_driver = True
+                    print(f"[{time.monotonic() - t_start:6.0f}s] driver SIGKILLed with {ended} trials ended",
+                          flush=True)
+                    break
+            log.close()
+            if not killed_driver:
+                break
+        code = driver.returncode
+        wall = time.monotonic() - t_start
+        tail = (Path(tmp) / f"driver-{drivers - 1}.log").read_text().splitlines()[-12:]
+        print("\n".join(tail))
+
+        # the audit: every trial present and terminal, one value per (metric, epoch), no gap
+        from raysweep.metrics import METRIC_NAMES
+
+        children = store.children()
+        names = {r.info.run_name for r in children}
+        lost = max(0, a.trials - len(names))
+        duplicates = len(children) - len(names)  # a trial with two runs
+        not_terminal = [r.info.run_name for r in children if r.info.status not in ("FINISHED", "KILLED", "FAILED")]
+        for run in children:
+            for name in METRIC_NAMES:
+                steps = [int(m.step) for m in store.client.get_metric_history(run.info.run_id, name)]
+                duplicates += len(steps) - len(set(steps))
+                lost += len(set(range(1, max(steps, default=0) + 1)) - set(steps))
+        statuses = {s: sum(r.info.status == s for r in children) for s in ("FINISHED", "KILLED", "FAILED")}
+        print(f"soak: exit {code}, {wall:.0f} s, {len(names)} trials ({statuses}), {worker_kills} worker kills, "
+              f"{drivers - 1} driver kills + resumes, not terminal: {not_terminal or 'none'}")
+        if restart_s:
+            print(f"worker restart (kill → the trial's next epoch in MLflow): median {statistics.median(restart_s):.1f} s, "
+                  f"n={len(restart_s)}, all {[round(s, 1) for s in restart_s]}")
+        if resume_s:
+            print(f"resume (tune --resume → the first new epoch in MLflow): median {statistics.median(resume_s):.1f} s, "
+                  f"all {[round(s, 1) for s in resume_s]}")
+        ok = code == 0 and not not_terminal and lost == 0 and duplicates == 0
+        print(f"RESULT soak trials={len(names)} faults={worker_kills + drivers - 1} restarts={drivers - 1} "
+              f"lost={lost} duplicates={duplicates}")
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

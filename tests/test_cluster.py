@@ -1,0 +1,147 @@
+"""Where the users live: several raylets (Ray's own `cluster_utils.Cluster`, as Ray's Train/Tune tests do) and
+shared storage as a real S3 API on loopback (moto's server), never a mocked client."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, tiny_spec, write_spec
+from raysweep.cli import main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3_bucket():
+    """A real S3 API on 127.0.0.1 (moto's server), bucket `sweeps`; yields (storage URI root, boto3 client).
+
+    The credentials are conftest's dummy AWS_* variables: Ray's processes inherited them at start.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+        client.create_bucket(Bucket="sweeps")
+        yield f"s3://sweeps/runs?endpoint_override=127.0.0.1:{port}&scheme=http", client
+    finally:
+        server.stop()
+
+
+def _keys(client) -> list[str]:
+    return [o["Key"] for o in client.list_objects_v2(Bucket="sweeps").get("Contents", [])]
+
+
+@pytest.mark.ray
+def test_s3_storage_holds_checkpoints_the_failure_marker_and_the_probe_table(ray_cluster, tmp_path, monkeypatch,
+                                                                             s3_bucket, capsys):
+    from mlflow.tracking import MlflowClient
+
+    uri, client = s3_bucket
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, storage_path=uri, train={"epochs": 2, "reference_batch_size": 64}))
+
+    # a trial that diverges at its 8th optimizer step (epoch 2): the agreed failure travels through S3
+    monkeypatch.setenv("RAYSWEEP_TEST_NAN_AT_STEP", "8")
+    assert main(["train", str(spec)]) == 1
+    monkeypatch.delenv("RAYSWEEP_TEST_NAN_AT_STEP")
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = [r for r in store.search_runs([store.get_experiment_by_name("t").experiment_id])
+              if "mlflow.parentRunId" in r.data.tags]
+    assert run.info.status == "FAILED" and run.data.tags["failure"] == "diverged"
+    keys = _keys(client)
+    assert any(k.startswith("runs/t-train/train/trial-") and k.endswith("/raysweep_failure.json") for k in keys)
+    assert any(k.startswith("runs/t-train/train/trial-") and k.endswith("/state.pt") for k in keys)  # epoch 1
+    assert any(k.startswith("runs/t-train/experiment_state") for k in keys)  # Tune's own state, same storage
+
+    # the probe's table: written by rank 0 to S3, read back by the driver
+    monkeypatch.setenv("RAYSWEEP_TEST_OOM_ABOVE", "40")
+    assert main(["probe", str(spec), "--start", "16"]) == 0
+    assert "largest per-GPU batch that fits: 40" in capsys.readouterr().out
+    (table,) = [k for k in _keys(client) if k.startswith("runs/t/probe/") and k.endswith("/probe.json")]
+    assert json.loads(client.get_object(Bucket="sweeps", Key=table)["Body"].read())["largest"] == 40
+    assert not (tmp_path / "results").exists() and not (ROOT / "sweeps").exists()  # nothing fell back to disk
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def three_node_cluster():
+    """A head with the trial_driver resource and no CPU (as cluster.yaml starts it), and three 1-CPU nodes."""
+    from ray.cluster_utils import Cluster
+
+    # the dashboard is off by default here; without it Train V2's PlacementGroupCleaner cannot ask the
+    # State API whether a trial's controller is gone, and every finished trial's placement group stays
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 0, "resources": {"trial_driver": 8}, "include_dashboard": True,
+                                      "dashboard_port": _free_port()})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, workers
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_sweep_on_a_multi_node_cluster_survives_a_lost_node(ray_cluster, three_node_cluster, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cluster, workers = three_node_cluster
+    spec = write_spec(tmp_path, tiny_spec(
+        tmp_path,
+        data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+        train={"epochs": 4, "reference_batch_size": 64, "max_failures": 2},
+        search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16}, "base_lr": 2.0e-3, "warmup_epochs": 1,
+                "weight_decay": 1.0e-4},
+        tune={"num_samples": 2, "seed": 0, "asha": {"grace_period": 4}},
+    ))
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:  # a separate driver process, joining the cluster like `--address auto` on a head
+        driver = subprocess.Popen([sys.executable, "-m", "raysweep", "tune", str(spec), "--address", cluster.address],
+                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        # once the first trial has reported an epoch, remove a node that runs one of its ranks
+        deadline = time.monotonic() + 300
+        nodes = None
+        while nodes is None and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(1.0)
+            experiment = store.get_experiment_by_name("t")
+            runs = store.search_runs([experiment.experiment_id]) if experiment else []
+            nodes = next((r.data.params["nodes"] for r in runs if "nodes" in r.data.params), None)
+        assert nodes, log.read_text()[-3000:]
+        victim = next(w for w in workers if w.node_id in nodes.split(","))
+        cluster.remove_node(victim)
+        assert driver.wait(timeout=420) == 0, log.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            os.kill(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=30)
+    out = log.read_text()
+    assert "plan: 3 CPU, 2 workers/trial → 1 trial at a time" in out  # the whole cluster, not one node
+    children = [r for r in store.search_runs([store.get_experiment_by_name("t").experiment_id])
+                if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children), out[-3000:]
+    for run in children:
+        ranks = run.data.params["nodes"].split(",")
+        assert len(ranks) == 2 and len(set(ranks)) == 2  # 1 CPU per node: each rank on its own raylet
+        steps = [m.step for m in store.get_metric_history(run.info.run_id, "val_loss")]
+        assert steps == [1, 2, 3, 4]  # the trial that lost a node restarted from its checkpoint, nothing twice
+    # checkpoints went to storage_path, on the driver's machine here (shared storage on real machines)
+    assert list((tmp_path / "results" / "t" / "train").glob("trial-*/checkpoint_*/state.pt"))
