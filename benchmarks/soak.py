@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys

@@ -595,7 +595,6 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
     import psutil
 
     cuda = device.type == "cuda"
-    world = dist.get_world_size() if _distributed() else 1
     s = all_reduce_named({
         "train_loss": train.loss_sum, "train_samples": train.samples, "val_loss": val.loss_sum,
         "val_samples": val.samples, "val_exact": val.exact, "val_chars": val.chars, "val_char_total": val.char_total,

@@ -99,7 +99,10 @@ def test_resumed_run_continues_at_the_saved_epoch(tmp_path, data_ref):
     assert [r["epoch"] for r in first] == [1, 2]
     # same (storage, name) → Ray Train hands the last checkpoint to the workers
     _, second = _fit(tmp_path, "resume", ["train.epochs=3"], data_ref)
-    assert [r["epoch"] for r in second] == [3]
+    # the checkpoint's own epoch is reported again first (its report may have been lost with a killed
+    # driver), exactly as it was; then training continues at epoch 3 only
+    assert [r["epoch"] for r in second] == [2, 3]
+    assert second[0] == first[-1]
     assert second[-1]["samples_seen"] == 3 * 192
 
 
