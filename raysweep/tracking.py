@@ -60,7 +60,7 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
     return experiment_id, run.info.run_id
 
 
-def resumed_parent(tracking_uri: str, experiment_path: Path) -> tuple[str, str]:
+def resumed_parent(tracking_uri: str, experiment_path: str) -> tuple[str, str]:
     """The parent run of the sweep stored at `experiment_path`, set RUNNING again: (experiment_id, run_id)."""
     from mlflow.tracking import MlflowClient
 
@@ -118,8 +118,12 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             self.parent_run_id = state["parent_run_id"]
             self.logged.update(state.get("logged", {}))
             for trial_id, run_id in self.runs.items():  # the store is the truth: the state may trail it
-                history = self.client.get_metric_history(run_id, "epoch")
-                self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
+                self._read_logged(trial_id, run_id)
+
+        def _read_logged(self, trial_id: str, run_id: str) -> None:
+            """The last epoch the store holds for a run (it may be ahead of the saved state)."""
+            history = self.client.get_metric_history(run_id, "epoch")
+            self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
 
         def _run_for(self, trial) -> str:
             run_id = self.runs.get(trial.trial_id) or self._existing_run(trial.trial_id)
@@ -146,8 +150,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             if not found:
                 return None
             run_id = found[0].info.run_id
-            history = self.client.get_metric_history(run_id, "epoch")
-            self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
+            self._read_logged(trial_id, run_id)
             return run_id
 
         def on_trial_start(self, iteration, trials, trial, **info):
