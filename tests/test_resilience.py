@@ -192,7 +192,9 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
         search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16},
                 "base_lr": {"loguniform": [1.0e-5, 3.0e-3], "default": 2.0e-3},
                 "warmup_epochs": {"randint": [0, 1], "default": 1}, "weight_decay": 1.0e-4},
-        tune={"num_samples": 4, "seed": 0, "asha": {"grace_period": 1, "reduction_factor": 2}},
+        # no pruning (grace = max_t): every trial runs 4 epochs, so the kills below find one mid-run
+        # (ASHA's memory across a resume is the unit test above)
+        tune={"num_samples": 4, "seed": 0, "asha": {"grace_period": 4, "reduction_factor": 2}},
     )
     path = write_spec(tmp_path, spec)
 
@@ -212,11 +214,11 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
     # 2. resume, then SIGKILL while a trial runs past its first checkpoint
     driver = _start_driver(path, tmp_path / "run2.log", "--resume")
     try:
-        def a_running_trial_after_two_ended():
+        def a_running_trial_after_one_ended():
             ended = [r for r in _children(tmp_path) if r.info.status in ("FINISHED", "KILLED", "FAILED")]
-            return len(ended) >= 2 and _running_trial_at_epoch(tmp_path, 1)()
+            return len(ended) >= 1 and _running_trial_at_epoch(tmp_path, 2)()
 
-        victim = _wait_for(a_running_trial_after_two_ended, 300, "two trials ended and one at epoch 1")
+        victim = _wait_for(a_running_trial_after_one_ended, 300, "a trial ended and another at epoch 2")
         _kill_tree(driver, signal.SIGKILL)
     finally:
         if driver.poll() is None:
