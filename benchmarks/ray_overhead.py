@@ -132,7 +132,8 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
                         t = p.cpu_times()
                         row = seen.setdefault(p.pid, [p.create_time(), "", 0.0])
                         name = title(p)
-                        if name != "ray::IDLE" or not row[1]:
+                        # keep the actor's title once seen: an exiting process shows IDLE or no ray:: title
+                        if not row[1] or (name.startswith("ray::") and name != "ray::IDLE"):
                             row[1] = name
                         row[2] = t.user + t.system
                 except psutil.Error:
