@@ -114,11 +114,14 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
 
     import psutil
 
+    from ray.util.state import list_actors
+
     def title(p):
         cmd = " ".join(p.cmdline())
         return cmd.split(" ")[0][:48] if cmd.startswith("ray::") else "(python worker starting)"
 
     before = {p.pid for p in psutil.process_iter()}
+    actors_before = {a.actor_id for a in list_actors(limit=10_000)}
     seen: dict[int, list] = {}  # pid → [create_time, title, cpu seconds]
     done = threading.Event()
 
@@ -147,6 +150,15 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     _, _, first_epoch, _ = in_ray(one_epoch, data_ref, train_size, f"timeline-{label}", log)
     done.set()
     thread.join()
+    # Which actor ran in which process comes from Ray's State API: a process title sampled every 50 ms can miss
+    # a short-lived actor's, and an actor placed in a worker process started earlier has no new pid at all.
+    for actor in list_actors(detail=True, limit=10_000):
+        if actor.actor_id in actors_before or not actor.pid:
+            continue
+        if actor.pid in seen:
+            seen[actor.pid][1] = f"ray::{actor.class_name}"
+        else:
+            seen[actor.pid] = [t_fit, f"ray::{actor.class_name} (in a process started before fit)", float("nan")]
     first = json.loads(log.read_text().splitlines()[0])["t"] - t_fit
     print(f"timeline of a 1-epoch trial, {label} (0 s: the trainer is built and fit() called; processes started since):")
     print(f"{'start s':>8s} {'CPU s':>6s}  process")
