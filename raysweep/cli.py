@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--margin", type=float, default=0.1, help="share of device memory kept free in the recommendation")
     p.add_argument("--max-memory-gb", type=float, default=None,
                    help="CPU workers: a batch fits only if its peak RSS stays under this (CPU has no allocator limit)")
+    p.add_argument("--noise-scale", default=None, metavar="N|last",
+                   help="a gradient noise scale (samples), or `last`: the newest sweep's of this spec's experiment; "
+                        "adds the time-to-target table over the batches that fit")
     p.set_defaults(func=cmd_probe)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     _common(p)
@@ -72,7 +75,7 @@ def cmd_probe(args) -> int:
 
     config = load_config(args.spec, args.overrides, sweep=False)
     return probe.run(config, address=args.address, start=args.start, max_batch=args.max_batch, margin=args.margin,
-                     max_memory_gb=args.max_memory_gb, verbose=args.verbose)
+                     max_memory_gb=args.max_memory_gb, verbose=args.verbose, noise_scale=args.noise_scale)
 
 
 def cmd_check(args) -> int:

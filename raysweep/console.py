@@ -37,9 +37,10 @@ def epoch_line(r: dict, epochs: int) -> str:
     """`train`'s line per epoch, from a reported result."""
     mem = (f"peak mem {r['peak_mem_allocated_gb']:.2f} GiB" if r.get("peak_mem_allocated_gb")
            else f"rss {r.get('rss_gb', 0):.2f} GiB")
+    noise = f"  B_noise {fmt(r.get('grad_noise_scale'), ',.0f')}" if "grad_noise_scale" in r else ""
     return (f"epoch {int(r['epoch'])}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
             f"val_exact_acc {r['val_exact_acc']:.3f}  val_char_acc {r['val_char_acc']:.3f}  lr {r['lr']:.2e}  "
-            f"{r['samples_per_s']:,.0f} samples/s  {mem}")
+            f"{r['samples_per_s']:,.0f} samples/s  {mem}{noise}")
 
 
 class ConsoleProgress:
@@ -49,7 +50,7 @@ class ConsoleProgress:
     """
 
     COLUMNS = ("trial", "status", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch",
-               "val_loss", "val_exact", "samples/s", "mem_gib")
+               "val_loss", "val_exact", "samples/s", "mem_gib", "b_noise")
 
     def __init__(self, config: SweepConfig, train_size: int, every_s: float = 30.0, per_epoch: bool = False):
         self.config, self.train_size, self.every_s, self.per_epoch = config, train_size, every_s, per_epoch
@@ -63,7 +64,8 @@ class ConsoleProgress:
         return [view.trial_id, view.status, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size),
                 fmt(t.knobs.base_lr, ".2e"), fmt(t.peak_lr, ".2e"), fmt(t.knobs.warmup_epochs, "g"),
                 fmt(t.knobs.weight_decay, ".1e"), fmt(view.last.get("epoch")), fmt(view.value("val_loss")),
-                fmt(view.value("val_exact_acc"), ".3f"), fmt(view.value("samples_per_s"), ",.0f"), fmt(mem, ".2f")]
+                fmt(view.value("val_exact_acc"), ".3f"), fmt(view.value("samples_per_s"), ",.0f"), fmt(mem, ".2f"),
+                fmt(view.value("grad_noise_scale"), ",.0f")]
 
     def table(self, views: list[TrialView]) -> str:
         return format_table(self.COLUMNS, [self.row(v) for v in views])
@@ -231,11 +233,12 @@ def print_sweep_summary(config: SweepConfig, views: list[TrialView], ranked: lis
         t = config.trial(v.config, train_size)
         rows.append([v.trial_id, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size), f"{t.knobs.base_lr:.2e}",
                      f"{t.peak_lr:.2e}", f"{t.knobs.warmup_epochs:g}", f"{t.knobs.weight_decay:.1e}", str(v.epoch),
-                     fmt(v.value(metric)), fmt(v.value("val_exact_acc"), ".3f"), fmt(v.value("samples_per_s"), ",.0f")])
+                     fmt(v.value(metric)), fmt(v.value("val_exact_acc"), ".3f"), fmt(v.value("samples_per_s"), ",.0f"),
+                     fmt(v.value("grad_noise_scale"), ",.0f")])
     if rows:
         print(f"top trials by {metric} ({mode}):")
         print(format_table(("trial", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch", metric,
-                            "val_exact", "samples/s"), rows))
+                            "val_exact", "samples/s", "b_noise"), rows))
     if not ranked:
         print("no trial succeeded", file=sys.stderr)
 
@@ -250,3 +253,16 @@ def print_probe(result, margin: float) -> None:
     print(f"largest per-GPU batch that fits: {result.largest}")
     print(f"recommended: {result.recommended} ({result.memory_key} ≤ {result.limit_gb:.2f} GiB, a {margin:.0%} margin)")
     print(f"table: {result.path}")
+
+
+def print_recommendation(rec) -> None:
+    """The time-to-target table (`rec`: noise.Recommendation): relative samples, steps and time per global batch."""
+    fastest = rec.fastest.global_batch
+    rows = [[str(c.global_batch), f"{c.samples_per_s:,.0f}", f"{c.samples:.2f}", f"{c.steps:.2f}", f"{c.time:.2f}",
+             "<- fastest" if c.global_batch == fastest else ""] for c in rec.candidates]
+    print(f"\nbatch size worth using: gradient noise scale B_noise ≈ {rec.noise_scale:,.0f} samples ({rec.source})")
+    print("predicted cost to reach the same loss (McCandlish et al. 2018): samples ∝ 1 + B/B_noise, "
+          "steps ∝ 1 + B_noise/B, time ∝ samples ÷ samples/s")
+    print(format_table(("global_batch", "samples/s", "samples×", "steps×", "time×", ""), rows))
+    print(f"batch growth stops paying near B ≈ B_noise ≈ {rec.noise_scale:,.0f}: below it a doubled batch nearly halves "
+          f"the steps; above it, steps fall little while samples grow. Fastest here: global batch {fastest}.")

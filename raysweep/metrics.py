@@ -29,6 +29,11 @@ class EpochMetrics:
     peak_mem_allocated_gb: float  # CUDA allocator peak allocated in the epoch, GiB, max over ranks (0 on CPU)
     peak_mem_reserved_gb: float  # CUDA allocator peak reserved in the epoch, GiB, max over ranks (0 on CPU)
     rss_gb: float  # resident memory of the worker process at epoch end, GiB, max over ranks
+    # the gradient noise scale (noise.py), from the epoch's steps; absent (None) where a step has no
+    # small/big gradient pair: one worker without accumulation
+    grad_noise_scale: float | None = None  # B_noise = tr(Σ) / |G|², samples: the batch past which growth stops paying
+    grad_sq_norm: float | None = None  # |G|², the true gradient's squared norm (epoch mean of the estimate)
+    grad_trace_cov: float | None = None  # tr(Σ), per-example gradient variance summed over parameters (epoch mean)
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,9 @@ RANKABLE_METRICS = ("val_loss", "val_exact_acc", "val_char_acc", "train_loss")
 
 
 def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:
-    """The one dict handed to `ray.train.report`: plain numbers and strings, named as above."""
-    return {**asdict(metrics), **asdict(params)}
+    """The one dict handed to `ray.train.report`: plain numbers and strings, named as above (absent
+    values left out, so that no tracker records a missing estimate as 0)."""
+    return {k: v for k, v in {**asdict(metrics), **asdict(params)}.items() if v is not None}
 
 
 # ---------------------------------------------------------------------------------------------

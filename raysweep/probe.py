@@ -106,8 +106,25 @@ def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: f
                        data["precision"], data["world_size"], out)
 
 
+def noise_scale_option(value: str | None, tracking_uri: str, experiment: str) -> tuple[float, str] | None:
+    """--noise-scale: a number of samples, or `last` (the newest sweep's measurement in MLflow)."""
+    from raysweep import tracking
+
+    if value is None:
+        return None
+    if value == "last":
+        return tracking.last_noise_scale(tracking_uri, experiment)
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        raise UserError(f"--noise-scale {value}: expected a positive number of samples (e.g. 500) or `last`")
+    return number, "given on the command line"
+
+
 def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int, margin: float,
-        max_memory_gb: float | None, verbose: bool) -> int:
+        max_memory_gb: float | None, verbose: bool, noise_scale: str | None = None) -> int:
     """The `probe` command. Exit 0 when some batch fits, 1 when none does."""
     import ray
 
@@ -120,12 +137,22 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
     if start < 1 or max_batch < start:
         raise UserError(f"--start {start} --max-batch {max_batch}: expected 1 ≤ start ≤ max-batch")
     tracking_uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
+    noise = noise_scale_option(noise_scale, tracking_uri, config.experiment_name)  # bad input fails before Ray
     started = connect(address, config, verbose)
     try:
         plan_concurrency(ray.cluster_resources(), config, 1)  # one trial's workers must fit
         result = probe(config, start, max_batch, margin, max_memory_gb)
         console.print_probe(result, margin)
-        tracking.log_probe(result, spec_yaml(config), config.experiment_name, tracking_uri, margin)
+        run_id = tracking.log_probe(result, spec_yaml(config), config.experiment_name, tracking_uri, margin)
+        if noise is not None:
+            from raysweep.noise import recommend
+
+            per_step = result.world_size * config.trial(config.default_knobs(), 1).knobs.grad_accum_steps
+            advice = recommend(noise[0], {r.per_gpu_batch_size * per_step: r.images_per_s for r in result.rows
+                                          if r.fits}, noise[1])
+            if advice is not None:
+                console.print_recommendation(advice)
+                tracking.log_recommendation(tracking_uri, run_id, advice)
         return 0 if result.largest else 1
     finally:
         if started:

@@ -142,6 +142,10 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             console.print_train_summary(config, ranked[0] if ranked else None, context.train_size, wall_s, first)
         else:
             console.print_sweep_summary(config, views, ranked, context.train_size, wall_s)
+            advice = recommendation(config, views, ranked, context.train_size)
+            if advice is not None:
+                console.print_recommendation(advice)
+                tracking.log_recommendation(tracking_uri, parent_run_id, advice)
         best = None
         if ranked:
             top = ranked[0]
@@ -219,6 +223,30 @@ def rank(views: list[TrialView], metric: str, mode: str) -> list[TrialView]:
     """Trials that did not fail and reported `metric`, best first."""
     ok = [v for v in views if v.status != "failed" and v.value(metric) is not None]
     return sorted(ok, key=lambda v: v.value(metric), reverse=(mode == "max"))
+
+
+def recommendation(config: SweepConfig, views: list[TrialView], ranked: list[TrialView], train_size: int):
+    """The time-to-target table from the sweep's own trials: B_noise from the best trial's last epoch (else the
+    median of the trials'), throughput per global batch = the median last `samples_per_s` of its trials.
+    None when no trial measured B_noise (one worker, no accumulation)."""
+    import statistics
+
+    from raysweep.noise import recommend
+
+    measured = [v for v in ranked or views if v.value("grad_noise_scale")]
+    if not measured:
+        return None
+    best = measured[0]
+    if ranked and best is ranked[0]:
+        noise_scale, source = best.value("grad_noise_scale"), f"best trial {best.trial_id}, epoch {best.epoch}"
+    else:
+        noise_scale = statistics.median(v.value("grad_noise_scale") for v in measured)
+        source = f"median of {len(measured)} trials' last epochs"
+    rates: dict[int, list[float]] = {}
+    for v in views:
+        if v.value("samples_per_s"):
+            rates.setdefault(config.trial(v.config, train_size).global_batch_size, []).append(v.value("samples_per_s"))
+    return recommend(noise_scale, {b: statistics.median(r) for b, r in rates.items()}, source)
 
 
 def resolve_batch_cap(config: SweepConfig, cap_batch: int | None) -> int | None:

@@ -229,6 +229,35 @@ def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric
     client.set_terminated(parent_run_id, status=status)
 
 
+def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
+    """The time-to-target table (`rec`: noise.Recommendation) on a run: metrics `grad_noise_scale` and
+    `recommended_global_batch`, and the table as recommendation.json."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric("grad_noise_scale", rec.noise_scale, now, 0),
+                                      Metric("recommended_global_batch", rec.fastest.global_batch, now, 0)])
+    client.log_text(run_id, json.dumps(rec.as_dict(), indent=1), "recommendation.json")
+
+
+def last_noise_scale(tracking_uri: str, experiment: str) -> tuple[float, str]:
+    """B_noise of the experiment's newest sweep that measured one: (value, where from)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = [] if found is None else client.search_runs(
+        [found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune' and metrics.grad_noise_scale > 0",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        raise UserError(f"--noise-scale last: no sweep in experiment {experiment!r} of {tracking_uri} measured "
+                        f"grad_noise_scale; run `tune` first, or give a number (--noise-scale 500)")
+    run = runs[0]
+    return run.data.metrics["grad_noise_scale"], f"sweep {run.info.run_name}"
+
+
 def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin: float) -> str:
     """The probe as an MLflow run of its own (`result`: probe.ProbeResult): metrics per batch (step =
     per-GPU batch), the recommendation as params, the JSON table and a PNG plot. Returns the run id."""

@@ -8,6 +8,7 @@ Imports no Ray at module level: the loop runs (and is tested) in a plain process
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from raysweep.config import TrialConfig
 from raysweep.data import CaptchaArrays
 from raysweep.metrics import EpochMetrics, WorkerParams, report_dict
 from raysweep.model import build_model
+from raysweep.noise import estimate
 from raysweep.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -191,20 +193,113 @@ class RankModel:
     scaler: torch.amp.GradScaler
     precision: str
     device: torch.device
+    noise: GradNoiseMeter | None = None  # the gradient noise scale's measurements (None: not measured)
 
     @classmethod
-    def build(cls, trial: TrialConfig, device: torch.device, wrap=None, compile: bool = False) -> RankModel:
-        """`wrap`: `ray.train.torch.prepare_model` on a worker (to the device; DDP when world size > 1)."""
+    def build(cls, trial: TrialConfig, device: torch.device, wrap=None, compile: bool = False,
+              measure_noise: bool = True) -> RankModel:
+        """`wrap`: `ray.train.torch.prepare_model` on a worker (to the device; DDP when world size > 1).
+        `measure_noise=False`: no GradNoiseMeter (benchmarks/noise_cost.py measures what it costs)."""
         torch.manual_seed(trial.train.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
         model = build_model(trial.image, trial.model.dropout)
         model = wrap(model) if wrap is not None else model.to(device)
         core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        noise = GradNoiseMeter.attach(model, device) if measure_noise else None  # on the DDP module: before compiling
         if compile:
             model = torch.compile(model)  # after DDP wrapping, so DDP's bucketing sees the compiled graph
         optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type)
         precision = resolve_precision(trial.train.precision, device)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        return cls(model, core, optimizer, scaler, precision, device)
+        return cls(model, core, optimizer, scaler, precision, device, noise)
+
+
+class GradNoiseMeter:
+    """The measurements behind the gradient noise scale (noise.py has the estimator), summed on the device.
+
+    Each optimizer step needs the squared norm of a small-batch gradient |G_b|² and of the big-batch one
+    |G_B|² (the pre-clip norm the loop computes anyway, squared):
+    - several ranks (DDP): a communication hook squares-and-sums every gradient bucket *before* the
+      all-reduce (the rank's own gradient over micro-batch × accumulation samples: b), then all-reduces it
+      averaged, exactly as DDP's default hook does. With `no_sync()` accumulation the hook runs once per
+      step, on the accumulated buffer. No host sync, no extra collective: the sums join the epoch's
+      all-reduce in `reduce_metrics`.
+    - one rank with ≥ 2 micro-batches per step: each micro-batch's backward writes its own gradient
+      (b = the micro-batch), squared-summed and then added to the step's sum by hand, as autograd would.
+    - one rank, one micro-batch: no pair, nothing measured (the metrics are absent, not zero).
+    fp16: the buffers hold GradScaler-scaled gradients; `step_done` divides by the scale², on the device.
+    """
+
+    def __init__(self, device: torch.device, ddp: bool):
+        self.ddp = ddp
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.step_small = zero.clone()  # this step's Σ |G_b|² (DDP: over buckets; one rank: mean over micro-batches)
+        self.small_sum, self.big_sum, self.steps = zero.clone(), zero.clone(), zero.clone()
+        self._sum: list[torch.Tensor] | None = None  # one rank: the step's gradient so far (micro-batches before this)
+
+    @classmethod
+    def attach(cls, model: nn.Module, device: torch.device) -> GradNoiseMeter:
+        ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        meter = cls(device, ddp)
+        if ddp:
+            model.register_comm_hook(meter, _noise_hook)
+        return meter
+
+    def split(self, accum: int) -> int:
+        """b_big / b_small for a step: the world size (DDP), the micro-batches (one rank), 1 = no pair."""
+        return dist.get_world_size() if self.ddp else accum
+
+    def before_backward(self, params: list[torch.Tensor], micro: int, accum: int) -> None:
+        """One rank: let this micro-batch's backward write its gradient alone (the step's sum so far is kept)."""
+        if not self.ddp and accum > 1 and micro > 0:
+            for p in params:
+                p.grad = None
+
+    def after_backward(self, params: list[torch.Tensor], micro: int, accum: int) -> None:
+        """One rank: add this micro-batch's |gradient|², then its gradient to the step's sum (which is what
+        autograd's accumulation would have done: one extra read of the gradients per micro-batch)."""
+        if self.ddp or accum < 2:
+            return
+        grads = [p.grad for p in params]
+        # the backward saw loss / accum: |g_k|² = accum² |grad|², averaged over the step's accum micro-batches
+        self.step_small += torch.stack(torch._foreach_norm(grads)).double().square().sum() * accum
+        if micro == 0:
+            self._sum = grads
+        else:
+            torch._foreach_add_(self._sum, grads)
+        if micro == accum - 1:
+            for p, g in zip(params, self._sum):
+                p.grad = g
+            self._sum = None
+
+    def step_done(self, norm: torch.Tensor, inv_scale: torch.Tensor | float = 1.0) -> None:
+        """After the step's backward(s): `norm` = the pre-clip norm of the (all-reduced, unscaled) gradient."""
+        small = self.step_small * (inv_scale * inv_scale)
+        ok = torch.isfinite(norm) & torch.isfinite(small)  # fp16 overflow steps are skipped, as the scaler skips them
+        self.small_sum += torch.where(ok, small, 0.0)
+        self.big_sum += torch.where(ok, norm.double().square(), 0.0)
+        self.steps += ok
+        self.step_small.zero_()
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The epoch's sums (Σ|G_b|², Σ|G_B|², steps), and start over."""
+        sums = self.small_sum.clone(), self.big_sum.clone(), self.steps.clone()
+        for t in (self.small_sum, self.big_sum, self.steps, self.step_small):
+            t.zero_()
+        self._sum = None
+        return sums
+
+
+def _noise_hook(meter: GradNoiseMeter, bucket):
+    """DDP communication hook: the bucket's squared sum before the all-reduce, then DDP's default all-reduce.
+
+    (dist.GradBucket) → torch.futures.Future[torch.Tensor]; unannotated: DDP compares annotations as
+    objects, and this module's are strings (`from __future__ import annotations`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buffer = bucket.buffer()
+    norm = torch.linalg.vector_norm(buffer, dtype=torch.promote_types(buffer.dtype, torch.float32))  # fp16 buckets too
+    meter.step_small += norm.double().square()
+    return allreduce_hook(None, bucket)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +447,10 @@ class TrainSums:
     grad_norm_max: torch.Tensor
     clipped_steps: torch.Tensor
     optimizer_steps: int
+    noise_small: torch.Tensor | float = 0.0  # Σ over steps of |G_b|² (GradNoiseMeter), this rank
+    noise_big: torch.Tensor | float = 0.0  # Σ over the same steps of |G_B|²
+    noise_steps: torch.Tensor | float = 0.0  # steps measured
+    noise_split: int = 1  # b_big / b_small (1: no pair, no estimate)
 
 
 def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig, epoch: int, rank: int) -> TrainSums:
@@ -374,6 +473,9 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
     grad_norm_max = torch.zeros((), device=device, dtype=torch.float32)
     samples = 0
     watch = DivergenceWatch(device)
+    noise = net.noise
+    if noise is not None:
+        noise.take()  # a fresh epoch (the start-up probe step leaves nothing, but a failed epoch might)
 
     model.train()
     fp16 = scaler.is_enabled()
@@ -386,6 +488,8 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
             x, y = shard.batch(idx)
             # DDP all-reduces gradients in backward; skip it on all but the last micro-step
             sync = micro == accum - 1 or not hasattr(model, "no_sync")
+            if noise is not None:
+                noise.before_backward(params, micro, accum)
             with contextlib.nullcontext() if sync else model.no_sync():
                 with autocast:
                     logits = model(x)
@@ -393,11 +497,15 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
                 if FAULTS.nan_at_step == scheduler.last_epoch + 1:
                     loss = loss * float("nan")
                 scaler.scale(loss / accum).backward()
+            if noise is not None:
+                noise.after_backward(params, micro, accum)
             loss_sum += loss.detach() * len(idx)
             step_loss += loss.detach()
             samples += len(idx)
         scaler.unscale_(optimizer)  # clip and log the true norm, not the fp16-scaled one
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if noise is not None:  # the scale the gradients were multiplied by, read on the device (no sync)
+            noise.step_done(norm, 1.0 / scaler._get_scale_async().double() if fp16 else 1.0)
         # the norm is of the all-reduced gradients: every rank sees the same value and stops together
         bad = ~torch.isfinite(norm)
         if fp16:  # the scaler skips overflowing steps by design: there, a non-finite loss is divergence
@@ -415,7 +523,12 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
     watch.finish(epoch)
-    return TrainSums(loss_sum, samples, grad_norm_sum, grad_norm_max, clipped, trial.steps_per_epoch)
+    sums = TrainSums(loss_sum, samples, grad_norm_sum, grad_norm_max, clipped, trial.steps_per_epoch)
+    if noise is not None:
+        small, big, measured = noise.take()
+        sums = dataclasses.replace(sums, noise_small=small, noise_big=big, noise_steps=measured,
+                                   noise_split=noise.split(accum))
+    return sums
 
 
 class DivergenceWatch:
@@ -599,6 +712,7 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
         "train_loss": train.loss_sum, "train_samples": train.samples, "val_loss": val.loss_sum,
         "val_samples": val.samples, "val_exact": val.exact, "val_chars": val.chars, "val_char_total": val.char_total,
         "grad_norm": train.grad_norm_sum, "clipped_steps": train.clipped_steps, "optimizer_steps": train.optimizer_steps,
+        "noise_small": train.noise_small, "noise_big": train.noise_big, "noise_steps": train.noise_steps,
     }, dist.ReduceOp.SUM, device)
     m = all_reduce_named({
         "grad_norm_max": train.grad_norm_max,
@@ -610,6 +724,12 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
     }, dist.ReduceOp.MAX, device)
     steps = s["optimizer_steps"]  # every rank counted the same optimizer steps, and saw the same norms
     n, vn = s["train_samples"], max(s["val_samples"], 1)
+    noise = None
+    if s["noise_steps"] > 0:  # per-step means over the epoch and the ranks first (the sums are of both), then the ratio
+        world = dist.get_world_size() if _distributed() else 1
+        b_big = n * world / steps  # the global batch: samples ÷ one rank's optimizer steps
+        noise = estimate(s["noise_small"] / s["noise_steps"], s["noise_big"] / s["noise_steps"],
+                         b_big / train.noise_split, b_big)
     return EpochMetrics(
         epoch=epoch,
         samples_seen=samples_before + int(n),
@@ -626,6 +746,9 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
         peak_mem_allocated_gb=m["peak_mem_allocated_gb"],
         peak_mem_reserved_gb=m["peak_mem_reserved_gb"],
         rss_gb=m["rss_gb"],
+        grad_noise_scale=noise.grad_noise_scale if noise else None,
+        grad_sq_norm=noise.grad_sq_norm if noise else None,
+        grad_trace_cov=noise.grad_trace_cov if noise else None,
     )
 
 

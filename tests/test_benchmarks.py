@@ -58,3 +58,17 @@ def test_ray_overhead_timeline_lists_the_processes_a_trial_starts():
         assert "ray::RayTrainWorker" in table and "ray::SynchronizationActor" in table
         assert "first report reaches the controller" in table
         assert "DatasetManager" not in table and "PreemptionWatcher" not in table
+
+
+def test_noise_cost_quick():
+    out = _run("noise_cost.py")
+    rows = [ln for ln in out.splitlines() if ln.startswith(("DDP, 2 gloo ranks", "1 rank, 2 micro-batches"))]
+    assert len(rows) == 2 and all(float(v) > 0 for r in rows for v in r.split()[-3:])
+    assert "of the DDP step" in out
+
+
+def test_critical_batch_quick():
+    out = _run("critical_batch.py")
+    table = out.split("global_batch")[1].splitlines()[1:-1]
+    assert [int(r.split()[0]) for r in table] == [4, 8, 16, 32]
+    assert float(table[0].split()[3]) == 1.0  # the smallest batch anchors E_min: its ratio is 1 by construction

@@ -51,7 +51,11 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     parent = parents[0]
     assert parent.info.status == "FINISHED" and "best_val_loss" in parent.data.metrics
     assert parent.data.tags["best_trial_id"] in trials
-    assert "spec.yaml" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+    assert {"spec.yaml", "recommendation.json"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    # the time-to-target table, from the trials' own B_noise (2 DDP workers) and samples/s
+    assert "batch size worth using: gradient noise scale B_noise ≈" in out and "<- fastest" in out
+    assert parent.data.metrics["grad_noise_scale"] > 0
+    assert parent.data.metrics["recommended_global_batch"] in (32, 64)  # the sweep's global batches
     for child in children:
         tid = child.info.run_name
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id and child.data.tags["trial_id"] == tid

@@ -37,9 +37,17 @@ def test_train_command_three_epochs_two_workers(ray_cluster, tmp_path, capsys):
     assert child.info.status == "FINISHED"
     assert child.data.params["global_batch_size"] == "32" and child.data.params["world_size"] == "2"
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    values = {}
     for name in METRIC_NAMES:  # every metric of DESIGN.md, every epoch
-        history = client.get_metric_history(child.info.run_id, name)
-        assert sorted(m.step for m in history) == [1, 2, 3], name
+        values[name] = {m.step: m.value for m in client.get_metric_history(child.info.run_id, name)}
+        if name != "grad_noise_scale":
+            assert sorted(values[name]) == [1, 2, 3], name
+    # B_noise = tr(Σ) / |G|² wherever both smoothed parts came out positive (2 workers: a pair every step)
+    positive = [e for e in (1, 2, 3) if values["grad_sq_norm"][e] > 0 and values["grad_trace_cov"][e] > 0]
+    assert sorted(values["grad_noise_scale"]) == positive and positive, values
+    for e in positive:
+        assert values["grad_noise_scale"][e] == pytest.approx(values["grad_trace_cov"][e] / values["grad_sq_norm"][e])
+    assert any(f"B_noise {values['grad_noise_scale'][e]:,.0f}" in epoch_lines[e - 1] for e in positive)
     loss = {m.step: m.value for m in client.get_metric_history(child.info.run_id, "train_loss")}
     assert loss[3] < loss[1]
     samples = {m.step: m.value for m in client.get_metric_history(child.info.run_id, "samples_seen")}
