@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a gradient noise scale (samples), or `last`: the newest sweep's of this spec's experiment; "
                         "adds the time-to-target table over the batches that fit")
     p.set_defaults(func=cmd_probe)
+    p = sub.add_parser("report", help="rebuild a sweep's summary, plots and report.html from the MLflow store alone")
+    p.add_argument("spec", nargs="?", default=None, help="the sweep's spec (its experiment, store and storage_path)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec key, as for tune")
+    p.add_argument("--experiment", default=None, help="an MLflow experiment name instead of a spec")
+    p.add_argument("--tracking-uri", default=None, help="the MLflow store (default: the spec's, else ./mlflow.db)")
+    p.add_argument("--out", default=None,
+                   help="folder for the files (default: <storage_path>/<name>/report, or ./raysweep_report/<experiment>)")
+    p.set_defaults(func=cmd_report)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     _common(p)
     p.set_defaults(func=cmd_check)
@@ -78,6 +87,12 @@ def cmd_probe(args) -> int:
                      max_memory_gb=args.max_memory_gb, verbose=args.verbose, noise_scale=args.noise_scale)
 
 
+def cmd_report(args) -> int:
+    from raysweep import report
+
+    return report.run(args.spec, args.overrides, args.experiment, args.tracking_uri, args.out)
+
+
 def cmd_check(args) -> int:
     from raysweep.config import load_config
     from raysweep.console import print_check
@@ -88,6 +103,7 @@ def cmd_check(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.address, args.verbose = getattr(args, "address", None), getattr(args, "verbose", False)  # report has neither
     if not args.address:
         # Ray reads this when first imported: explicit token auth for the local cluster raysweep starts
         # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with

@@ -366,6 +366,11 @@ class SweepConfig(_Section):
         """Every knob at its default (else first choice / lower bound): what `train` runs."""
         return {k: knob_first(v) for k, v in self.search.knobs().items()}
 
+    def is_baseline(self, knobs: dict[str, Any]) -> bool:
+        """Whether sampled knobs are the spec's defaults: the sweep's first trial, its baseline."""
+        defaults = self.default_knobs()
+        return all(knobs.get(k) == defaults[k] for k in self.searched())
+
     @property
     def batch_cap(self) -> int | str | None:
         """`search.per_gpu_batch_size.max`: a number, "probe", or None."""

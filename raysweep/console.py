@@ -75,7 +75,8 @@ class ConsoleProgress:
         self.started.setdefault(view.trial_id, time.monotonic())
         if not self.per_epoch:
             t = self.config.trial(view.config, self.train_size)
-            print(f"[{now()}] start  {view.trial_id}: per-GPU batch {t.knobs.per_gpu_batch_size} × "
+            baseline = " (baseline: the spec's defaults)" if self.config.is_baseline(view.config) else ""
+            print(f"[{now()}] start  {view.trial_id}{baseline}: per-GPU batch {t.knobs.per_gpu_batch_size} × "
                   f"{t.world_size} workers × {t.knobs.grad_accum_steps} accum = global {t.global_batch_size}, "
                   f"peak LR {t.peak_lr:.2e}, warmup {t.knobs.warmup_epochs:g} ep, wd {t.knobs.weight_decay:.1e}",
                   flush=True)
@@ -159,11 +160,13 @@ def print_resumed(summary) -> None:
     print(f"resumed: {summary.done} done, {running}, {summary.pending} pending", flush=True)
 
 
-def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_id: str, ui: str, link: str) -> None:
+def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_id: str, ui: str, link: str,
+                metric: str) -> None:
     """Where the sweep's results are, and how to review them."""
     print(f"results: {experiment_path}")
     print(f"mlflow:  {tracking_uri} (experiment {experiment!r}, id {experiment_id})")
     print(f"review:  {ui}\n         then open {link}")
+    print(f"         (the trials, best {metric} first; to see the numbers: Columns → Metrics → {metric})")
 
 
 def print_check(config: SweepConfig) -> None:
@@ -219,28 +222,54 @@ def print_train_summary(config: SweepConfig, best: TrialView | None, train_size:
     print(line)
 
 
-def print_sweep_summary(config: SweepConfig, views: list[TrialView], ranked: list[TrialView], train_size: int,
-                        wall_s: float, top: int = 5) -> None:
-    """`tune`'s closing lines: counts, epochs saved by ASHA, and the top trials."""
-    metric, mode = config.tune.metric, config.tune.mode
+def print_sweep_summary(config: SweepConfig, views: list[TrialView], report, wall_s: float, top: int = 5) -> None:
+    """`tune`'s closing lines: counts, epochs saved by ASHA, the top trials against the baseline, the
+    recommendation and where the report is (`report`: report.SweepReport, built from the MLflow store)."""
     count = {s: sum(v.status == s for v in views) for s in ("finished", "pruned", "failed")}
     epochs_run = sum(v.epoch for v in views)
     budget = len(views) * config.max_t
     print(f"\nsweep: {len(views)} trials in {wall_s:.0f}s: {count['finished']} finished, {count['pruned']} pruned by "
           f"ASHA, {count['failed']} failed; {epochs_run} of {budget} epochs run ({budget - epochs_run} saved)")
+    _print_report_body(report, top)
+
+
+def print_report(report, top: int = 10) -> None:
+    """`report`'s lines: the sweep, its top trials against the baseline, the recommendation, the files."""
+    r = report.record
+    counts = {s: sum(t.status == s for t in r.trials) for s in ("finished", "pruned", "failed", "interrupted", "running")}
+    print(f"sweep: {r.parent_name} (experiment {r.experiment!r}): {len(r.trials)} trials, "
+          + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    _print_report_body(report, top)
+
+
+def _print_report_body(report, top: int) -> None:
+    r = report.record
+    metric = r.metric
     rows = []
-    for v in ranked[:top]:
-        t = config.trial(v.config, train_size)
-        rows.append([v.trial_id, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size), f"{t.knobs.base_lr:.2e}",
-                     f"{t.peak_lr:.2e}", f"{t.knobs.warmup_epochs:g}", f"{t.knobs.weight_decay:.1e}", str(v.epoch),
-                     fmt(v.value(metric)), fmt(v.value("val_exact_acc"), ".3f"), fmt(v.value("samples_per_s"), ",.0f"),
-                     fmt(v.value("grad_noise_scale"), ",.0f")])
+    for row in report.rows[:top]:
+        t = row.trial
+        rows.append([t.trial_id + (" (baseline)" if t.baseline else ""), t.params.get("per_gpu_batch_size", "-"),
+                     t.params.get("global_batch_size", "-"), fmt(t.number("base_lr"), ".2e"),
+                     fmt(t.number("peak_lr"), ".2e"), t.params.get("warmup_epochs", "-"),
+                     fmt(t.number("weight_decay"), ".1e"), str(t.epoch), fmt(row.value), _signed(row.delta),
+                     fmt(t.wall_s, ".0f"), _signed(row.delta_wall_s, ".0f"), fmt(t.last("samples_per_s"), ",.0f"),
+                     _signed(row.delta_samples_per_s, ",.0f"), fmt(t.last("grad_noise_scale"), ",.0f")])
     if rows:
-        print(f"top trials by {metric} ({mode}):")
+        base = report.baseline
+        print(f"top trials by {metric} ({r.mode})" + (f"; Δ against the baseline {base.trial_id} (the spec's defaults):"
+                                                      if base else ":"))
         print(format_table(("trial", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch", metric,
-                            "val_exact", "samples/s", "b_noise"), rows))
-    if not ranked:
+                            f"Δ{metric}", "wall_s", "Δwall_s", "samples/s", "Δsamples/s", "b_noise"), rows))
+    else:
         print("no trial succeeded", file=sys.stderr)
+    if report.recommendation is not None:
+        print_recommendation(report.recommendation)
+    print(f"report:  {report.folder}/report.html (plots: {', '.join(f for f in report.files if f.endswith('.png'))}; "
+          f"also on the MLflow parent run, under report/)")
+
+
+def _signed(value, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, "+" + spec)
 
 
 def print_probe(result, margin: float) -> None:

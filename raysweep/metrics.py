@@ -141,3 +141,48 @@ def _trial_error_line(trial) -> str:
     except OSError:
         pass
     return error_line(text or str(getattr(trial, "error_msg", "") or ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# A sweep as the MLflow store holds it (tracking.load_sweep reads it; report.py draws it)
+
+
+@dataclass
+class RunRecord:
+    """One trial's child run."""
+
+    run_id: str
+    trial_id: str
+    status: str  # finished | pruned | failed | interrupted | running
+    params: dict  # MLflow params (strings): knobs, derived values, worker params
+    history: dict  # metric name → {epoch: value}
+    tags: dict
+    wall_s: float | None  # the run's start to end (None while running)
+    baseline: bool = False  # the spec's defaults: the trial every other is compared with
+
+    @property
+    def epoch(self) -> int:
+        return max(self.history.get("epoch", {}), default=0)
+
+    def last(self, name: str) -> float | None:
+        values = self.history.get(name) or {}
+        return values[max(values)] if values else None
+
+    def number(self, param: str) -> float | None:
+        try:
+            return float(self.params[param])
+        except (KeyError, ValueError):
+            return None
+
+
+@dataclass
+class SweepRecord:
+    tracking_uri: str
+    experiment: str
+    experiment_id: str
+    parent_run_id: str
+    parent_name: str
+    metric: str  # the ranking metric (tune.metric) and its mode
+    mode: str
+    spec_text: str
+    trials: list  # RunRecord, by start time

@@ -61,10 +61,14 @@ def read_text(location: str) -> str | None:
 
 def write_text(location: str, text: str) -> None:
     """Write a whole file (its folder made first where the filesystem has folders)."""
+    write_bytes(location, text.encode())
+
+
+def write_bytes(location: str, data: bytes) -> None:
     fs, path = _fs(location)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(path) as f:
-        f.write(text.encode())
+        f.write(data)
 
 
 def delete(location: str) -> None:

@@ -124,7 +124,8 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         experiment_id, parent_run_id = tracking.resumed_parent(tracking_uri, experiment_path) if resume else \
             tracking.open_sweep(
                 tracking_uri, config.experiment_name, run_name=f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}",
-                tags={"raysweep.kind": "train" if single else "tune", "raysweep.storage": str(experiment_path)},
+                tags={"raysweep.kind": "train" if single else "tune", "raysweep.storage": str(experiment_path),
+                      "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode},
                 spec_text=spec_yaml(config))
         progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
         callbacks = [tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config, context.train_size),
@@ -137,23 +138,25 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             raise KeyboardInterrupt
         views = [TrialView.of_result(r, config.max_t) for r in results]
         ranked = rank(views, config.tune.metric, config.tune.mode)
-        if single:
-            first = min(progress.first_report_s.values(), default=None)
-            console.print_train_summary(config, ranked[0] if ranked else None, context.train_size, wall_s, first)
-        else:
-            console.print_sweep_summary(config, views, ranked, context.train_size, wall_s)
-            advice = recommendation(config, views, ranked, context.train_size)
-            if advice is not None:
-                console.print_recommendation(advice)
-                tracking.log_recommendation(tracking_uri, parent_run_id, advice)
         best = None
         if ranked:
             top = ranked[0]
             best = {"trial_id": top.trial_id, "value": top.value(config.tune.metric),
                     "params": config.trial(top.config, context.train_size).params()}
         tracking.close_sweep(tracking_uri, parent_run_id, best, config.tune.metric, "FINISHED" if ranked else "FAILED")
-        ui, link = tracking.runs_link(tracking_uri, experiment_id)
-        console.print_where(experiment_path, tracking_uri, config.experiment_name, experiment_id, ui, link)
+        if single:
+            first = min(progress.first_report_s.values(), default=None)
+            console.print_train_summary(config, ranked[0] if ranked else None, context.train_size, wall_s, first)
+        else:  # the report is built from the MLflow store, exactly as `raysweep report` rebuilds it
+            from raysweep import report
+
+            built = report.publish(tracking.load_sweep(tracking_uri, config.experiment_name, parent_run_id),
+                                   storage.join(experiment_path, "report"))
+            console.print_sweep_summary(config, views, built, wall_s)
+        ui, link = tracking.runs_link(tracking_uri, experiment_id, None if single else parent_run_id,
+                                      config.tune.metric, config.tune.mode)
+        console.print_where(experiment_path, tracking_uri, config.experiment_name, experiment_id, ui, link,
+                            config.tune.metric)
         return 0 if ranked else 1
     finally:
         if started_ray:
@@ -223,30 +226,6 @@ def rank(views: list[TrialView], metric: str, mode: str) -> list[TrialView]:
     """Trials that did not fail and reported `metric`, best first."""
     ok = [v for v in views if v.status != "failed" and v.value(metric) is not None]
     return sorted(ok, key=lambda v: v.value(metric), reverse=(mode == "max"))
-
-
-def recommendation(config: SweepConfig, views: list[TrialView], ranked: list[TrialView], train_size: int):
-    """The time-to-target table from the sweep's own trials: B_noise from the best trial's last epoch (else the
-    median of the trials'), throughput per global batch = the median last `samples_per_s` of its trials.
-    None when no trial measured B_noise (one worker, no accumulation)."""
-    import statistics
-
-    from raysweep.noise import recommend
-
-    measured = [v for v in ranked or views if v.value("grad_noise_scale")]
-    if not measured:
-        return None
-    best = measured[0]
-    if ranked and best is ranked[0]:
-        noise_scale, source = best.value("grad_noise_scale"), f"best trial {best.trial_id}, epoch {best.epoch}"
-    else:
-        noise_scale = statistics.median(v.value("grad_noise_scale") for v in measured)
-        source = f"median of {len(measured)} trials' last epochs"
-    rates: dict[int, list[float]] = {}
-    for v in views:
-        if v.value("samples_per_s"):
-            rates.setdefault(config.trial(v.config, train_size).global_batch_size, []).append(v.value("samples_per_s"))
-    return recommend(noise_scale, {b: statistics.median(r) for b, r in rates.items()}, source)
 
 
 def resolve_batch_cap(config: SweepConfig, cap_batch: int | None) -> int | None:

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from raysweep.errors import UserError
-from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, TrialView
+from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,10 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             else:
                 from mlflow.entities import Param
 
-                run = self.client.create_run(
-                    self.experiment_id,
-                    run_name=trial.trial_id,
-                    tags={"mlflow.parentRunId": self.parent_run_id, "trial_id": trial.trial_id},
-                )
+                tags = {"mlflow.parentRunId": self.parent_run_id, "trial_id": trial.trial_id}
+                if self.config.is_baseline(dict(trial.config)):
+                    tags["raysweep.baseline"] = "true"
+                run = self.client.create_run(self.experiment_id, run_name=trial.trial_id, tags=tags)
                 run_id = self.runs[trial.trial_id] = run.info.run_id
                 params = self.config.trial(dict(trial.config), self.train_size).params()
                 self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
@@ -302,7 +301,92 @@ def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin
     return run_id
 
 
-def runs_link(tracking_uri: str, experiment_id: str, port: int = 5000) -> tuple[str, str]:
-    """(`mlflow ui` command, link to the runs table): 3.17 opens experiments on a GenAI page otherwise."""
+def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = None) -> SweepRecord:
+    """A sweep from the MLflow store alone (the newest `tune` parent run of `experiment`, or the one given).
+
+    An absent store, an unknown experiment or one without a sweep is a UserError (no store is created).
+    """
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():
+        raise UserError(f"report: no MLflow store at {db}; pass --tracking-uri sqlite:///path/to/mlflow.db "
+                        f"(the store the sweep printed)")
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        names = sorted(e.name for e in client.search_experiments() if e.name != "Default")
+        raise UserError(f"report: no experiment {experiment!r} in {tracking_uri}; "
+                        + (f"it holds {', '.join(map(repr, names))}" if names else "the store is empty"))
+    if parent_run_id is None:
+        parents = client.search_runs([found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune'",
+                                     order_by=["attributes.start_time DESC"], max_results=1)
+        if not parents:
+            raise UserError(f"report: experiment {experiment!r} in {tracking_uri} holds no sweep (no `tune` run)")
+        parent = parents[0]
+    else:
+        parent = client.get_run(parent_run_id)
+    tags = parent.data.tags
+    spec_text = _artifact_text(client, parent.info.run_id, "spec.yaml")
+    metric, mode = tags.get("raysweep.metric"), tags.get("raysweep.mode")
+    if metric is None:  # a sweep from before the tags: its spec says
+        import yaml
+
+        tune = (yaml.safe_load(spec_text or "") or {}).get("tune", {})
+        metric, mode = tune.get("metric", "val_loss"), tune.get("mode", "min")
+    children = client.search_runs([found.experiment_id], max_results=10_000,
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+                                  order_by=["attributes.start_time ASC"])
+    wanted = dict.fromkeys(("epoch", metric, *METRIC_NAMES))
+    trials = []
+    for child in children:
+        history = {name: {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, name)}
+                   for name in wanted if name in child.data.metrics}
+        info, ctags = child.info, child.data.tags
+        status = {"FINISHED": "finished", "FAILED": "failed", "RUNNING": "running"}.get(info.status)
+        if status is None:  # KILLED: by ASHA, or by an interrupted sweep
+            status = "pruned" if ctags.get("stopped_by") == "asha" else "interrupted"
+        wall = (info.end_time - info.start_time) / 1000 if info.end_time else None
+        trials.append(RunRecord(info.run_id, ctags.get("trial_id", info.run_name), status, dict(child.data.params),
+                                history, dict(ctags), wall, ctags.get("raysweep.baseline") == "true"))
+    return SweepRecord(tracking_uri, experiment, found.experiment_id, parent.info.run_id, parent.info.run_name,
+                       metric, mode or "min", spec_text or "", trials)
+
+
+def _artifact_text(client, run_id: str, path: str) -> str | None:
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            return Path(client.download_artifacts(run_id, path, d)).read_text()
+    except Exception:  # absent (an older run): the caller falls back
+        return None
+
+
+def log_report(tracking_uri: str, record: SweepRecord, folder: Path, trial_pngs: dict[str, Path],
+               summary: list[dict]) -> None:
+    """The report's files on the parent run (under report/), each trial's curves on its child run, and the
+    summary table (with the baseline deltas) as the parent's summary.json."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    client.log_artifacts(record.parent_run_id, str(folder), "report")
+    client.log_text(record.parent_run_id, json.dumps(summary, indent=1), "summary.json")
+    for run_id, png in trial_pngs.items():
+        client.log_artifact(run_id, str(png))
+
+
+def runs_link(tracking_uri: str, experiment_id: str, parent_run_id: str | None = None, metric: str | None = None,
+              mode: str = "min", port: int = 5000) -> tuple[str, str]:
+    """(`mlflow ui` command, link to the runs table). 3.17 opens an experiment on a GenAI page, and its runs
+    table shows a sweep as one collapsed parent row: the link filters to the sweep's trials (listed flat)
+    and sorts them by the ranking metric."""
+    from urllib.parse import quote
+
     command = f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port {port}"
-    return command, f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    link = f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    if parent_run_id:
+        link += "&searchFilter=" + quote(f"tags.mlflow.parentRunId = '{parent_run_id}'", safe="")
+    if metric:
+        link += "&orderByKey=" + quote(f"metrics.`{metric}`", safe="") + f"&orderByAsc={str(mode == 'min').lower()}"
+    return command, link
