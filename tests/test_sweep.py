@@ -32,7 +32,7 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     assert main(["tune", str(path), "--progress-every", "20"]) == 0
     out = capsys.readouterr().out
     assert "plan: 2 CPU, 2 workers/trial → 1 trial at a time; ASHA prunes sequentially" in out
-    assert "top trials by val_loss (min):" in out and "mlflow ui --backend-store-uri" in out
+    assert "top trials by val_loss (min); Δ against the baseline" in out and "mlflow ui --backend-store-uri" in out
 
     # Tune's own record of the sweep
     analysis = ExperimentAnalysis(str(tmp_path / "results" / "t"))
