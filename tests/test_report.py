@@ -123,6 +123,7 @@ def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message
 
         MlflowClient(f"sqlite:///{store}").create_experiment("other")
         args = [*args, "--tracking-uri", f"sqlite:///{store}"]
+        capsys.readouterr()  # MLflow's own INFO lines from creating the store here, not raysweep's
     assert main(["report", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
