@@ -28,6 +28,25 @@ class ProbeOptions:
     output_file: str  # rank 0 writes the table here (JSON)
 
 
+def largest_fitting(fits, start: int, max_batch: int) -> int | None:
+    """The largest batch in [start, max_batch] for which `fits(batch)` holds: doubling from `start`, then
+    bisecting between the last fit and the first failure (None when `start` does not fit). Ray-free: the
+    probe's workers and benchmarks/gpu_probe.py share it."""
+    last_fit, first_oom, batch = None, None, start
+    while batch <= max_batch:
+        if not fits(batch):
+            first_oom = batch
+            break
+        last_fit, batch = batch, batch * 2
+    if last_fit is not None and first_oom is not None:
+        lo, hi = last_fit, first_oom
+        while hi - lo > 1:  # bisect: the largest batch that fits, exactly
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        last_fit = lo
+    return last_fit
+
+
 def probe_worker(config: dict) -> None:
     """Every rank: candidate batch sizes in lockstep (each outcome is agreed by all-reduce)."""
     import dataclasses
@@ -51,18 +70,7 @@ def probe_worker(config: dict) -> None:
         results.append(dataclasses.replace(r, fits=ok, images_per_s=rate))
         return ok
 
-    last_fit, first_oom, batch = None, None, opts.start
-    while batch <= opts.max_batch:
-        if not fits(batch):
-            first_oom = batch
-            break
-        last_fit, batch = batch, batch * 2
-    if last_fit is not None and first_oom is not None:
-        lo, hi = last_fit, first_oom
-        while hi - lo > 1:  # bisect: the largest batch that fits, exactly
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        last_fit = lo
+    last_fit = largest_fitting(fits, opts.start, opts.max_batch)
     if ctx.get_world_rank() == 0:  # on the run's storage (local, NFS or s3://), where the driver reads it
         storage.write_text(opts.output_file, json.dumps({
             "results": [asdict(r) for r in results], "largest": last_fit, "world_size": ctx.get_world_size(),

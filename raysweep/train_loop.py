@@ -463,8 +463,7 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
     if len(shard) > (trial.micro_batch_size + 1) * num_batches:
         raise ValueError(f"a shard of {len(shard)} samples is more than {num_batches} micro-batches of "
                          f"{trial.micro_batch_size}: train_size {trial.train_size} does not describe this data")
-    plan = epoch_plan(len(shard), num_batches, tc.seed, epoch, rank)
-    plan = [torch.from_numpy(idx).to(device, non_blocking=True) for idx in plan]
+    plan = _to_device(epoch_plan(len(shard), num_batches, tc.seed, epoch, rank), device)
     autocast = _autocast(device, net.precision)
     max_norm = tc.grad_clip if tc.grad_clip is not None else math.inf
     params = [p for p in model.parameters() if p.requires_grad]
@@ -529,6 +528,15 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
         sums = dataclasses.replace(sums, noise_small=small, noise_big=big, noise_steps=measured,
                                    noise_split=noise.split(accum))
     return sums
+
+
+def _to_device(plan: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """The epoch's micro-batch indices on the device: one copy, from pinned memory on a GPU (asynchronous:
+    the host does not wait for it), split into views there."""
+    flat = torch.from_numpy(np.concatenate(plan))
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(torch.split(flat, [len(idx) for idx in plan]))
 
 
 class DivergenceWatch:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from raysweep.noise import estimate, recommend
 from raysweep.train_loop import EvalSums, GradNoiseMeter, TrainSums, reduce_metrics
+from ranks import run_ranks
 
 D, DELTA_SQ, SIGMA_SQ = 8, 1.0, 1.0
 TRUE_TRACE = D * (DELTA_SQ + SIGMA_SQ) + DELTA_SQ  # 17
@@ -74,24 +73,8 @@ def _measure(rank: int, world: int, micro: int, accum: int, steps: int, scale: f
     return result
 
 
-def _rank_main(rank: int, world: int, port: int, kwargs: dict, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = _measure(rank, world, **kwargs)
-        if rank == 0:
-            out.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def _two_ranks(**kwargs) -> dict:
-    ctx = torch.multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_rank_main, args=(2, port, kwargs, out), nprocs=2, start_method="spawn")
-    return out.get(timeout=5)
+    return run_ranks(_measure, 2, **kwargs)[0]
 
 
 def _assert_close(result: dict) -> None:
