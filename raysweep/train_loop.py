@@ -473,6 +473,8 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
     samples = 0
     watch = DivergenceWatch(device)
     noise = net.noise
+    if noise is not None and noise.split(accum) < 2:  # one rank, one micro-batch: no pair, nothing to measure
+        noise = None
     if noise is not None:
         noise.take()  # a fresh epoch (the start-up probe step leaves nothing, but a failed epoch might)
 

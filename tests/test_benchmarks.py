@@ -1,5 +1,7 @@
 """Each benchmark runs in --quick mode and produces its table and RESULT line (no timing asserted)."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -72,3 +74,41 @@ def test_critical_batch_quick():
     table = out.split("global_batch")[1].splitlines()[1:-1]
     assert [int(r.split()[0]) for r in table] == [4, 8, 16, 32]
     assert float(table[0].split()[3]) == 1.0  # the smallest batch anchors E_min: its ratio is 1 by construction
+
+
+def _suite(tmp_path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=env)
+
+
+def test_gpu_suite_cpu_smoke_runs_every_step_without_ray_mlflow_or_captcha(tmp_path):
+    """The lent GPU machine has no Ray, MLflow or captcha: the smoke makes them unimportable and runs every step."""
+    proc = _suite(tmp_path, "--cpu-smoke")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["gpu_probe.txt", "gpu_profile.txt", "gpu_tests.txt", "gpu_throughput.txt", "suite.log",
+                     "summary.json", "summary.md"]  # the device tool brings back at most 8 files
+    log = (tmp_path / "suite.log").read_text()
+    assert "blocked imports: ray,mlflow,captcha" in log
+    for step in ("tests", "throughput", "probe", "profile"):
+        assert re.search(rf"^step {step}: exit 0 in \d+ s", log, re.M), log
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py"],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    n_gpu_tests = int(re.search(r"^(\d+) tests? collected", collected, re.M).group(1))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mode"] == "cpu-smoke" and summary["failed_steps"] == []
+    assert summary["tests"] == {"skipped": n_gpu_tests} and n_gpu_tests >= 15
+    assert "needs a CUDA device" in (tmp_path / "gpu_tests.txt").read_text()
+    assert len(summary["throughput"]["rows"]) == 2 * 2 * 2  # batches × precisions × channels_last, eager on CPU
+    # the probe's search bisected through the (injected) OOM above 40 to exactly 40, in both precisions
+    assert [(r["precision"], r["largest"]) for r in summary["probe"]["results"]] == [("bf16", 40), ("fp32", 40)]
+    assert "Self CPU time total" in (tmp_path / "gpu_profile.txt").read_text()
+    assert (tmp_path / "summary.md").read_text().startswith("# gpu_suite (cpu-smoke)")
+
+
+def test_gpu_suite_without_a_gpu_says_how_to_smoke_test(tmp_path):
+    proc = _suite(tmp_path)
+    assert proc.returncode == 2
+    assert "no CUDA device here; 'bash benchmarks/gpu_suite.sh --cpu-smoke'" in proc.stdout
+    assert _suite(tmp_path, "--bogus").returncode == 2

@@ -28,7 +28,7 @@ from ranks import run_ranks
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)"),
-    pytest.mark.timeout(240),
+    pytest.mark.timeout(150),
 ]
 
 DEVICE = torch.device("cuda:0")
