@@ -85,10 +85,10 @@ if [[ $SMOKE == 1 ]]; then
     step profile gpu_profile.txt 120 "$PY" benchmarks/gpu_throughput.py --quick --profile --batches 16 --precisions bf16 \
         --json "$WORK/profile.json"
 else
-    step tests gpu_tests.txt 200 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
-    step throughput gpu_throughput.txt 200 "$PY" benchmarks/gpu_throughput.py --compile off,on,graphs --budget-s 150 \
+    step tests gpu_tests.txt 180 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
+    step throughput gpu_throughput.txt 180 "$PY" benchmarks/gpu_throughput.py --compile off,on,graphs --budget-s 140 \
         --json "$WORK/throughput.json"
-    step probe gpu_probe.txt 60 "$PY" benchmarks/gpu_probe.py --json "$WORK/probe.json"
+    step probe gpu_probe.txt 50 "$PY" benchmarks/gpu_probe.py --json "$WORK/probe.json"
     best=$("$PY" -c "
 import json, sys
 try:
@@ -97,7 +97,7 @@ except (OSError, ValueError, KeyError):
     b = {}
 print('on' if b.get('channels_last', True) else 'off', b.get('compile', 'off'))
 " "$WORK/throughput.json")
-    step profile gpu_profile.txt 60 "$PY" benchmarks/gpu_throughput.py --profile --batches 1024 --precisions bf16 \
+    step profile gpu_profile.txt 90 "$PY" benchmarks/gpu_throughput.py --profile --batches 1024 --precisions bf16 \
         --channels-last "${best% *}" --compile "${best#* }" --steps 10 --json "$WORK/profile.json"
 fi
 
