@@ -160,23 +160,58 @@ def read_failure(location: str) -> tuple[str, str] | None:
     return data["kind"], data["message"]
 
 
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run's folder
+
+
+def recover_torn_snapshot(run_dir: str) -> str | None:
+    """Ray Train rewrites a run's checkpoint list in place, truncating it first (`CheckpointManager.
+    _write_state_to_storage`): a kill in between leaves it empty or cut, and every later fit() of that run
+    dies in `TrainController.__init__` (CheckpointManagerInitializationError), so the trial could never
+    resume. Such a file is removed and the newest checkpoint folder holding raysweep's checkpoint file is
+    returned, for the workers to load in its place (None: nothing to repair, or nothing to load).
+
+    The list is written after its newest checkpoint is fully uploaded and before the older one is deleted:
+    a run killed there holds both folders, the newer complete (seen in tests/test_resilience.py).
+    """
+    from raysweep.train_loop import CHECKPOINT_FILE
+
+    text = storage.read_text(storage.join(run_dir, SNAPSHOT_FILE))
+    if text is None:
+        return None
+    try:
+        json.loads(text)
+        return None
+    except ValueError:
+        pass
+    storage.delete(storage.join(run_dir, SNAPSHOT_FILE))
+    for name in reversed(storage.list_names(run_dir)):  # checkpoint_<timestamp>: newest last
+        if name.startswith("checkpoint_") and storage.exists(storage.join(run_dir, name, CHECKPOINT_FILE)):
+            log.warning("%s: Ray Train's checkpoint list was cut short by a kill; resuming from %s", run_dir, name)
+            return storage.join(run_dir, name)
+    log.warning("%s: Ray Train's checkpoint list was cut short by a kill and no checkpoint is left; starting over",
+                run_dir)
+    return None
+
+
 def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
                  worker_fn=None, extra_config: dict | None = None):
     """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
 
-    `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint.
+    `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint (also when a
+    kill cut Ray Train's checkpoint list short: `recover_torn_snapshot`).
     """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
     if worker_fn is None:
         from raysweep.train_loop import train_worker as worker_fn
+    extra_config = {"resume_from": recover_torn_snapshot(storage.join(storage_path, name)), **(extra_config or {})}
     resources = {"CPU": trial.scaling.cpus_per_worker}
     if trial.scaling.use_gpu:
         resources["GPU"] = 1
     return _trainer_class()(
         worker_fn,
         train_loop_config={"trial": trial.to_dict(), "data": data_ref, "failure_file": failure_path(storage_path, name),
-                           **(extra_config or {})},
+                           **extra_config},
         scaling_config=ScalingConfig(
             num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
         ),

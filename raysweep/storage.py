@@ -50,6 +50,16 @@ def is_dir(location: str) -> bool:
     return fs.get_file_info(path).type == pyarrow.fs.FileType.Directory
 
 
+def list_names(location: str) -> list[str]:
+    """The names directly under a folder (or prefix), sorted; [] when there is none."""
+    import pyarrow.fs
+
+    if not is_dir(location):
+        return []
+    fs, path = _fs(location)
+    return sorted(info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(path)))
+
+
 def read_text(location: str) -> str | None:
     """The file's text, or None when there is no such file."""
     if not exists(location):

@@ -307,7 +307,8 @@ def _noise_hook(meter: GradNoiseMeter, bucket):
 
 
 def train_worker(config: dict) -> None:
-    """Ray Train entry point on every rank; `config` = {"trial": TrialConfig dict, "data": ObjectRef, "failure_file"}."""
+    """Ray Train entry point on every rank; `config` = {"trial": TrialConfig dict, "data": ObjectRef, "failure_file",
+    "resume_from": a checkpoint folder to load when Ray Train hands none (cluster.recover_torn_snapshot)}."""
     import ray
     import ray.train
     import ray.train.torch
@@ -322,7 +323,10 @@ def train_worker(config: dict) -> None:
     run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device, wrap=ray.train.torch.prepare_model)
     run.nodes = gather_strings(ray.get_runtime_context().get_node_id())
     del data
-    start_epoch = run.restore(ray.train.get_checkpoint())
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and config.get("resume_from"):  # Ray's checkpoint list was torn by a kill (cluster.py)
+        checkpoint = ray.train.Checkpoint(config["resume_from"])
+    start_epoch = run.restore(checkpoint)
     if run.last_report:
         # the checkpoint's epoch again (every rank): its report may have died with a killed driver, and a run
         # that had finished must end with its real final result; trackers skip what they already hold

@@ -1,5 +1,7 @@
 """One trial on the real local Ray cluster: 2 CPU workers, gloo, real MLflow on SQLite."""
 
+import json
+
 import pytest
 
 from conftest import tiny_spec, write_spec
@@ -112,6 +114,20 @@ def test_resumed_run_continues_at_the_saved_epoch(tmp_path, data_ref):
     assert [r["epoch"] for r in second] == [2, 3]
     assert second[0] == first[-1]
     assert second[-1]["samples_seen"] == 3 * 192
+
+
+@pytest.mark.parametrize("torn", ["", '{"ray_version": "2.'])
+def test_a_run_whose_checkpoint_list_a_kill_cut_short_resumes_from_its_newest_checkpoint(tmp_path, data_ref, torn):
+    """Ray Train truncates, then rewrites, its checkpoint list at every checkpoint: a kill in between left it empty
+    (seen in test_resilience.py) and the run could never be fitted again. raysweep hands the workers the newest
+    checkpoint folder instead."""
+    _, first = _fit(tmp_path, "torn", ["train.epochs=2"], data_ref)
+    snapshot = tmp_path / "runs" / "torn" / "checkpoint_manager_snapshot.json"
+    snapshot.write_text(torn)
+    _, second = _fit(tmp_path, "torn", ["train.epochs=3"], data_ref)
+    assert [r["epoch"] for r in second] == [2, 3] and second[0] == first[-1]  # not from scratch
+    assert second[-1]["samples_seen"] == 3 * 192
+    assert json.loads(snapshot.read_text())  # Ray wrote a whole list again
 
 
 def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_ref):
