@@ -180,15 +180,19 @@ def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
 
     from ray.tune import ExperimentAnalysis
 
+    from raysweep.cluster import SNAPSHOT_FILE
+
     trials = ExperimentAnalysis(experiment_path).trials
     ended = [t for t in trials if t.status in ("TERMINATED", "ERROR")]
     running = []
     for t in trials:
         if t in ended:
             continue
-        snapshot = storage.read_text(storage.join(experiment_path, "train", f"trial-{t.trial_id}",
-                                                  "checkpoint_manager_snapshot.json"))
-        latest = (json.loads(snapshot).get("latest_checkpoint_result") or {}) if snapshot else {}
+        snapshot = storage.read_text(storage.join(experiment_path, "train", f"trial-{t.trial_id}", SNAPSHOT_FILE))
+        try:
+            latest = (json.loads(snapshot).get("latest_checkpoint_result") or {}) if snapshot else {}
+        except ValueError:  # cut short by a kill: the trial resumes anyway (cluster.recover_torn_snapshot)
+            latest = {}
         epoch = int((latest.get("metrics") or {}).get("epoch", 0) or (t.last_result or {}).get("epoch", 0))
         if epoch:  # a trial stopped by Ctrl-C is saved PENDING, but it has trained: it continues too
             running.append((t.trial_id, epoch))
