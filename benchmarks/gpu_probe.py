@@ -21,25 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MARGIN = 0.1  # the probe command's default: recommend a batch whose reserved peak leaves 10 % of the GPU free
 
 
-def trial_for(precision: str, height: int, width: int):
-    from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
-
-    return TrialConfig(
-        knobs=Knobs(per_gpu_batch_size=1, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4, grad_accum_steps=1,
-                    lr_rule="none"),
-        train=TrainConfig(epochs=1, precision=precision), model=ModelConfig(dropout=0.5),
-        scaling=ScalingConfig(num_workers=1), image=ImageSpec(width=width, height=height, length=4, num_classes=36),
-        train_size=1,
-    )
-
-
 def probe_precision(device, precision: str, start: int, max_batch: int, height: int, width: int) -> dict:
     import torch
 
+    from gpu_throughput import one_gpu_trial
     from raysweep.probe import largest_fitting
     from raysweep.train_loop import RankModel, probe_step
 
-    trial = trial_for(precision, height, width)
+    trial = one_gpu_trial(1, precision, height, width, train_size=1)
     net = RankModel.build(trial, device, measure_noise=False)
     rows = []
 
@@ -80,11 +69,12 @@ def main() -> int:
 
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not a.quick:
-        print("gpu_probe: no CUDA device; run with --quick to check the code path on CPU", file=sys.stderr)
+    from gpu_throughput import training_device
+
+    device = training_device("gpu_probe", a.quick)
+    if device is None:
         return 2
-    device = torch.device("cuda:0" if cuda else "cpu")
+    cuda = device.type == "cuda"
     height, width, start, max_batch = 60, 160, a.start, a.max_batch
     if a.quick:
         height, width, start, max_batch = 24, 64, 8, 256

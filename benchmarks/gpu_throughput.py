@@ -66,6 +66,31 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
+def one_gpu_trial(batch: int, precision: str, height: int, width: int, train_size: int):
+    """One rank's trial at `batch` (no accumulation, no LR rule): what the GPU scripts here measure."""
+    from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
+
+    return TrialConfig(
+        knobs=Knobs(per_gpu_batch_size=batch, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4, grad_accum_steps=1,
+                    lr_rule="none"),
+        train=TrainConfig(epochs=2, precision=precision), model=ModelConfig(dropout=0.5),
+        scaling=ScalingConfig(num_workers=1), image=ImageSpec(width=width, height=height, length=4, num_classes=36),
+        train_size=train_size,
+    )
+
+
+def training_device(script: str, quick: bool):
+    """cuda:0, or the CPU under --quick; None (after saying why) when there is no GPU and no --quick."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda:0")
+    if not quick:
+        print(f"{script}: no CUDA device; run with --quick to check the code path on CPU", file=sys.stderr)
+        return None
+    return torch.device("cpu")
+
+
 class Bench:
     """raysweep's step at one configuration: a model, its optimizer, and shards of random uint8 images."""
 
@@ -95,16 +120,7 @@ class Bench:
         self.net = RankModel(step_model, model, opt, scaler, precision, device)
 
     def trial(self, n_steps: int):
-        from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
-
-        return TrialConfig(
-            knobs=Knobs(per_gpu_batch_size=self.batch, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4,
-                        grad_accum_steps=1, lr_rule="none"),
-            train=TrainConfig(epochs=2, precision=self.precision), model=ModelConfig(dropout=0.5),
-            scaling=ScalingConfig(num_workers=1),
-            image=ImageSpec(width=self.width, height=self.height, length=4, num_classes=36),
-            train_size=self.batch * n_steps,
-        )
+        return one_gpu_trial(self.batch, self.precision, self.height, self.width, train_size=self.batch * n_steps)
 
     def shard(self, n_steps: int):
         """Exactly batch × steps images, resident on the device, sliced per step."""
@@ -232,11 +248,10 @@ def main() -> int:
 
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not a.quick:
-        print("gpu_throughput: no CUDA device; run with --quick to check the code path on CPU", file=sys.stderr)
+    device = training_device("gpu_throughput", a.quick)
+    if device is None:
         return 2
-    device = torch.device("cuda:0" if cuda else "cpu")
+    cuda = device.type == "cuda"
     height, width = (60, 160)
     batches = [int(b) for b in a.batches.split(",")]
     precisions = a.precisions.split(",")
