@@ -4,7 +4,7 @@ The captcha model trains on the spec's synthetic set at several global batch siz
 initial weights to the same target loss, with its peak LR scaled from the spec's base_lr by the spec's rule
 (constant after the step it reaches: no schedule to tie to a length). One process, each optimizer step
 of 2 micro-batches, so `GradNoiseMeter` measures B_noise in every run (b = B/2) through the training loop's
-own code (train_loop.train_one_epoch). Every `--eval-every` samples (or every step, for bigger batches)
+own code (worker.step.train_one_epoch). Every `--eval-every` samples (or every step, for bigger batches)
 the loss on a fixed 512-image slice of the training set is measured (eval mode); the crossing of the
 target is interpolated between two measurements.
 
@@ -55,7 +55,11 @@ class Run:
 def train_to_target(config, data, batch: int, target: float, max_samples: int, eval_every: int, seed: int) -> Run:
     from raysweep.data import CaptchaArrays
     from raysweep.optim import build_scheduler
-    from raysweep.train_loop import RankModel, Shard, evaluate, keep_host_memory, train_one_epoch
+    from raysweep.worker.device import keep_host_memory
+    from raysweep.worker.evaluate import evaluate
+    from raysweep.worker.net import RankModel
+    from raysweep.worker.shard import Shard
+    from raysweep.worker.step import train_one_epoch
 
     device = torch.device("cpu")
     keep_host_memory(device)
@@ -120,7 +124,7 @@ def main() -> int:
         overrides[1] = f"data.synthetic.train_size={a.train_size}"
     config = load_config(a.spec, overrides, sweep=False)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    data = load_data(config.data, progress=False)
+    data = load_data(config.data)
     batches = [int(b) for b in a.batches.split(",")]
     print(f"critical batch: {config.name} spec, {len(data.train.labels)} synthetic images "
           f"{config.data.width}×{config.data.height}, lr_rule {config.train.lr_rule} from base_lr "

@@ -1,7 +1,7 @@
 """The largest per-GPU batch that fits on this GPU, in bf16 and fp32, with the memory each image costs.
 
 The `probe` command's own search (doubling, then bisecting: `probe.largest_fitting`) and step
-(`train_loop.probe_step`: one full training step, a real `torch.OutOfMemoryError` caught), on one GPU in a
+(`worker.probe_step.probe_step`: one full training step, a real `torch.OutOfMemoryError` caught), on one GPU in a
 plain process: no Ray, no MLflow. Memory per image is the slope of the allocator's peak between the two
 largest batches that fit; what is left at batch 0 is the model, its gradients and AdamW's moments.
 
@@ -26,10 +26,11 @@ def probe_precision(device, precision: str, start: int, max_batch: int, height: 
 
     from gpu_throughput import one_gpu_trial
     from raysweep.probe import largest_fitting
-    from raysweep.train_loop import RankModel, probe_step
+    from raysweep.worker.net import RankModel
+    from raysweep.worker.probe_step import probe_step
 
     trial = one_gpu_trial(1, precision, height, width, train_size=1)
-    net = RankModel.build(trial, device, measure_noise=False)
+    net = RankModel.build(trial, device, measure_noise=False, compile=False)  # eager, as the probe command
     rows = []
 
     def fits(batch: int) -> bool:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Every CUDA check raysweep has, in one command for a lent GPU machine (under 9 minutes):
+# Every CUDA check raysweep has, in one command for a lent GPU machine (about 7.5 minutes; the step limits sum to 10):
 #   1. the `gpu` tests (tests/test_gpu.py)                                   -> gpu_tests.txt
-#   2. gpu_throughput.py: batch 256-4096 x fp32/bf16 x channels_last x compile
-#      (off, on, graphs), most telling first, within a time budget          -> gpu_throughput.txt
+#   2. gpu_throughput.py: batch 64-4096 x bf16/fp32 x how the step runs (as a trial does, eager,
+#      compiled, compiled + CUDA graphs), most telling first, within a time budget -> gpu_throughput.txt
 #   3. gpu_probe.py: the largest per-GPU batch in bf16 and fp32, MiB/image    -> gpu_probe.txt
-#   4. gpu_throughput.py --profile of batch 1024 bf16 at its best setting:
-#      top kernels, GPU busy share, what limits the step                      -> gpu_profile.txt
-#   5. summary.md and summary.json (every figure above, for RESULTS.md); suite.log (steps, times, exit codes)
+#   4. compile_cache.py: a trial's compile time in fresh processes, cold, then with the sweep's
+#      cache directory, then from the portable artifacts                      -> compile_cache.txt
+#   5. gpu_throughput.py --profile of batch 1024 bf16 as a trial runs it:
+#      top kernels, layout conversions, GPU busy share, what limits the step  -> gpu_profile.txt
+#   6. summary.md and summary.json (every figure above, for RESULTS.md); suite.log (steps, times, exit codes)
 # Files go to $OUT when set (the device tool's folder that comes back), else ./gpu_suite_out.
 #
 # The GPU machine has PyTorch, numpy, PyYAML, psutil and pytest, but not Ray, MLflow, pydantic or captcha,
@@ -82,23 +84,20 @@ if [[ $SMOKE == 1 ]]; then
     step tests gpu_tests.txt 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider
     step throughput gpu_throughput.txt 120 "$PY" benchmarks/gpu_throughput.py --quick --json "$WORK/throughput.json"
     step probe gpu_probe.txt 120 "$PY" benchmarks/gpu_probe.py --quick --json "$WORK/probe.json"
+    step compile_cache compile_cache.txt 240 "$PY" benchmarks/compile_cache.py --quick --trials 1 \
+        --json "$WORK/compile_cache.json"
     step profile gpu_profile.txt 120 "$PY" benchmarks/gpu_throughput.py --quick --profile --batches 16 --precisions bf16 \
         --json "$WORK/profile.json"
 else
-    step tests gpu_tests.txt 180 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
-    step throughput gpu_throughput.txt 180 "$PY" benchmarks/gpu_throughput.py --compile off,on,graphs --budget-s 140 \
-        --json "$WORK/throughput.json"
-    step probe gpu_probe.txt 50 "$PY" benchmarks/gpu_probe.py --json "$WORK/probe.json"
-    best=$("$PY" -c "
-import json, sys
-try:
-    b = json.load(open(sys.argv[1]))['best_goal_batch_bf16'] or {}
-except (OSError, ValueError, KeyError):
-    b = {}
-print('on' if b.get('channels_last', True) else 'off', b.get('compile', 'off'))
-" "$WORK/throughput.json")
-    step profile gpu_profile.txt 90 "$PY" benchmarks/gpu_throughput.py --profile --batches 1024 --precisions bf16 \
-        --channels-last "${best% *}" --compile "${best#* }" --steps 10 --json "$WORK/profile.json"
+    # one Inductor cache for the suite's own processes (compile_cache.py makes its own, to measure it)
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor}
+    step tests gpu_tests.txt 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
+    step throughput gpu_throughput.txt 150 "$PY" benchmarks/gpu_throughput.py --batches 1024,64,256,4096 \
+        --compile auto,off,graphs,on --budget-s 100 --steps 30 --json "$WORK/throughput.json"
+    step probe gpu_probe.txt 120 "$PY" benchmarks/gpu_probe.py --json "$WORK/probe.json"
+    step compile_cache compile_cache.txt 120 "$PY" benchmarks/compile_cache.py --trials 2 --json "$WORK/compile_cache.json"
+    step profile gpu_profile.txt 60 "$PY" benchmarks/gpu_throughput.py --profile --batches 1024 --precisions bf16 \
+        --compile auto --steps 10 --json "$WORK/profile.json"
 fi
 
 "$PY" - "$OUT" "$WORK" "$SMOKE" "$((SECONDS - START))" "${FAILED[*]:-}" <<'PY' 2>&1 | tee -a "$LOG"
@@ -118,23 +117,30 @@ def load(name):
 tests_txt = (out / "gpu_tests.txt").read_text() if (out / "gpu_tests.txt").exists() else ""
 counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tests_txt.splitlines()[-1] if tests_txt else "")}
 throughput, probe, prof = load("throughput.json"), load("probe.json"), load("profile.json")
+cache = load("compile_cache.json")
 summary = {"mode": "cpu-smoke" if smoke else "gpu", "seconds": seconds, "failed_steps": failed, "tests": counts,
-           "throughput": throughput, "probe": probe, "profile": prof}
+           "throughput": throughput, "probe": probe, "compile_cache": cache, "profile": prof}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 lines = [f"# gpu_suite ({summary['mode']}): {seconds} s, failed steps: {', '.join(failed) or 'none'}",
          "tests: " + (", ".join(f"{n} {k}" for k, n in counts.items()) or "no result line")]
-best = (throughput or {}).get("best_goal_batch_bf16")
-if best:
-    lines.append(f"throughput: batch 1024 bf16 {best['images_per_s']:,.0f} images/s (channels_last {best['channels_last']}, "
-                 f"compile {best['compile']}); goal {throughput['goal_images_per_s']:,}: "
-                 f"{'met' if best['images_per_s'] >= throughput['goal_images_per_s'] else 'not met'}")
-elif throughput:
-    lines.append(f"throughput: {len(throughput['rows'])} configurations measured, none at batch 1024 bf16")
+rows = [r for r in (throughput or {}).get("rows", []) if "images_per_s" in r]
+for r in rows:
+    if r["precision"] == "bf16" and r["batch"] in (64, 1024):
+        lines.append(f"throughput: batch {r['batch']} bf16 {r['compile']} ({'+'.join(k for k in ('compiled', 'graphs') if r.get(k)) or 'eager'}): "
+                     f"{r['images_per_s']:,.0f} images/s")
+errors = [r for r in (throughput or {}).get("rows", []) if "error" in r]
+if throughput:
+    lines.append(f"throughput: {len(rows)} configurations measured, {len(errors)} errors"
+                 + "".join(f"; {r['batch']}/{r['precision']}/{r['compile']}: {r['error']}" for r in errors))
+for r in (cache or {}).get("results", []):
+    lines.append(f"compile_cache: trial {r['trial']} ({r['cache']}): " + ", ".join(
+        f"batch {t['batch']} compile_s {t['compile_s']:.1f}" for t in r["trials"]))
 for r in (probe or {}).get("results", []):
     per = f"{1024 * r['gib_per_image']:.2f} MiB/image" if r["gib_per_image"] is not None else "MiB/image n/a"
     lines.append(f"probe {r['precision']}: largest per-GPU batch {r['largest']}, recommended {r['recommended']}, {per}")
 if prof:
-    lines.append(f"profile: {prof['images_per_s']:,.0f} images/s under the profiler; limit: {prof['limit']}")
+    lines.append(f"profile: {prof['images_per_s']:,.0f} images/s under the profiler; layout conversions per step: "
+                 f"{prof.get('layout_conversions_per_step', 'n/a')}; limit: {prof['limit']}")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -4,7 +4,7 @@ Seed: a Dataset opening each PNG with PIL per sample, a DataLoader (num_workers 
 plain nn.Sequential model with nn.Dropout, `.item()` every step (benchmarks/seed_loop.py).
 raysweep: images decoded once into uint8 arrays, batches sliced from them, channels_last, cheap fused
 dropout, fused AdamW, no per-step sync, and the host-memory setup of a raysweep CPU worker
-(huge pages, large blocks kept in the heap: raysweep/train_loop.py, worker_env and keep_host_memory).
+(huge pages, large blocks kept in the heap: raysweep/worker/device.py, worker_env and keep_host_memory).
 Both in fp32; on a CPU where raysweep's `precision: auto` picks bf16 (AVX512-BF16 or AMX), a
 `raysweep-bf16` row shows what a trial runs by default (not part of the ratio).
 
@@ -62,10 +62,13 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
     from raysweep.data import CaptchaArrays, read_folder
     from raysweep.optim import build_optimizer, build_scheduler
     from raysweep.model import build_model
-    from raysweep.train_loop import RankModel, Shard, keep_host_memory, train_one_epoch
+    from raysweep.worker.device import keep_host_memory
+    from raysweep.worker.net import RankModel
+    from raysweep.worker.shard import Shard
+    from raysweep.worker.step import train_one_epoch
 
     keep_host_memory(torch.device("cpu"))  # what a raysweep CPU worker does first
-    arrays = read_folder(Path(folder), CHARSET, 4, width, height, progress=False)  # decoded once, outside the loop
+    arrays = read_folder(Path(folder), CHARSET, 4, width, height)  # decoded once, outside the loop
 
     def trial(n_steps):
         return TrialConfig(
@@ -151,7 +154,7 @@ def main() -> int:
         height, width, batches, repeats, warmup = 60, 160, {64: 8, 512: 3}, a.repeats, 3
     import torch
 
-    from raysweep.train_loop import resolve_precision
+    from raysweep.worker.device import resolve_precision
 
     # the ratio is fp32 against fp32; where `precision: auto` picks bf16 on this CPU, a row shows that too
     kinds = [("seed", 0), ("seed", 2), ("raysweep", 0)]

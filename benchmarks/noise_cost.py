@@ -45,7 +45,10 @@ def _measure(rank: int, world: int, accum: int, args) -> dict[str, float]:
 
     from raysweep.data import CaptchaArrays
     from raysweep.optim import build_scheduler
-    from raysweep.train_loop import RankModel, Shard, keep_host_memory, train_one_epoch
+    from raysweep.worker.device import keep_host_memory
+    from raysweep.worker.net import RankModel
+    from raysweep.worker.shard import Shard
+    from raysweep.worker.step import train_one_epoch
 
     torch.set_num_threads(1 if world > 1 else 2)
     device = torch.device("cpu")

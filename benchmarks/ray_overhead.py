@@ -64,7 +64,8 @@ def bare(config, data) -> list[float]:
     import torch
 
     from raysweep.metrics import report_dict
-    from raysweep.train_loop import TrainingRun, keep_host_memory
+    from raysweep.worker.device import keep_host_memory
+    from raysweep.worker.run import TrainingRun
 
     keep_host_memory(torch.device("cpu"))  # as the worker does
     torch.set_num_threads(int(config.scaling.cpus_per_worker))  # what Ray gives the worker (OMP_NUM_THREADS)
@@ -191,7 +192,7 @@ def main() -> int:
         setups = {}
         for name, (cpus, images) in CONFIGS.items():
             config = spec(images // scale, epochs, tmp, cpus)
-            setups[name] = (config, load_data(config.data, progress=False))
+            setups[name] = (config, load_data(config.data))
         t0 = time.time()
         ray.init(num_cpus=2, **ray_init_kwargs())
         init_s = time.time() - t0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from raysweep import storage
 from raysweep.config import SweepConfig, TrialConfig
 from raysweep.errors import UserError
+from raysweep.worker.compile_cache import cache_env
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,10 @@ def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_sampl
     return Plan(n, message)
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(compile_cache: str | None = None) -> dict[str, str]:
     """Environment for a trial's worker processes (it must be in place when they start).
+
+    `compile_cache`: the sweep's compile cache (worker/compile_cache.py): on a path, Inductor's cache directory.
 
     glibc backs large allocations with transparent huge pages: an activation over 32 MB is a fresh
     mmap, faulted in 4 KiB pages on first touch (a 157 MB elementwise pass took 77 ms into new
@@ -136,6 +139,7 @@ def worker_env() -> dict[str, str]:
     tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
     env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
     env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
+    env.update(cache_env(compile_cache))
     return env
 
 
@@ -173,7 +177,7 @@ def recover_torn_snapshot(run_dir: str) -> str | None:
     The list is written after its newest checkpoint is fully uploaded and before the older one is deleted:
     a run killed there holds both folders, the newer complete (seen in tests/test_resilience.py).
     """
-    from raysweep.train_loop import CHECKPOINT_FILE
+    from raysweep.worker.run import CHECKPOINT_FILE
 
     text = storage.read_text(storage.join(run_dir, SNAPSHOT_FILE))
     if text is None:
@@ -194,17 +198,19 @@ def recover_torn_snapshot(run_dir: str) -> str | None:
 
 
 def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
-                 worker_fn=None, extra_config: dict | None = None):
+                 worker_fn=None, extra_config: dict | None = None, compile_cache: str | None = None):
     """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
 
     `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint (also when a
-    kill cut Ray Train's checkpoint list short: `recover_torn_snapshot`).
+    kill cut Ray Train's checkpoint list short: `recover_torn_snapshot`). `compile_cache`: the sweep's compile
+    cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`) must point Inductor at it.
     """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
     if worker_fn is None:
-        from raysweep.train_loop import train_worker as worker_fn
-    extra_config = {"resume_from": recover_torn_snapshot(storage.join(storage_path, name)), **(extra_config or {})}
+        from raysweep.worker.entry import train_worker as worker_fn
+    extra_config = {"resume_from": recover_torn_snapshot(storage.join(storage_path, name)),
+                    "compile_cache": compile_cache, **(extra_config or {})}
     resources = {"CPU": trial.scaling.cpus_per_worker}
     if trial.scaling.use_gpu:
         resources["GPU"] = 1
@@ -224,7 +230,7 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
             # once, so the wait is bounded by 2 × worker_start_timeout_s
             failure_config=FailureConfig(max_failures=trial.train.max_failures, controller_failure_limit=1),
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": env if env is not None else worker_env()},
+            worker_runtime_env={"env_vars": env if env is not None else worker_env(compile_cache)},
         ),
     )
 

@@ -27,6 +27,7 @@ PosFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LrRule = Literal["linear", "sqrt", "none"]
+Auto = Literal["auto"]
 
 DEFAULT_CHARSET = string.digits + string.ascii_uppercase
 
@@ -221,7 +222,14 @@ class TrainConfig(_Section):
     precision: Precision = Field(
         "auto", description="autocast dtype: fp32, bf16, fp16 (adds a GradScaler), or auto: bf16 on GPUs that support it and on CPUs with AVX512-BF16 or AMX, else fp32"
     )
-    compile: bool = Field(False, description="torch.compile the model (no gain measured on CPU; see benchmarks)")
+    compile: bool | Auto = Field(
+        "auto", description="torch.compile the training step; auto: on for CUDA (2.2× the eager step on an H100), "
+        "off for CPU workers (no gain measured there); see benchmarks/RESULTS.md"
+    )
+    cuda_graphs: bool | Auto = Field(
+        "auto", description="replay each optimizer step as one CUDA graph (no per-kernel launches); auto: on for "
+        "one-GPU trials (not fp16) at micro-batches of at most 512, where launches leave the GPU idle"
+    )
     lr_rule: LrRule = Field("sqrt", description="peak_lr = base_lr × (global/reference)^p; p = 1, ½ or 0")
     reference_batch_size: PosInt = Field(256, description="global batch at which base_lr is given")
     min_lr: NonNegFloat = Field(1.0e-6, description="cosine floor")

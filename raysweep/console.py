@@ -38,9 +38,10 @@ def epoch_line(r: dict, epochs: int) -> str:
     mem = (f"peak mem {r['peak_mem_allocated_gb']:.2f} GiB" if r.get("peak_mem_allocated_gb")
            else f"rss {r.get('rss_gb', 0):.2f} GiB")
     noise = f"  B_noise {fmt(r.get('grad_noise_scale'), ',.0f')}" if "grad_noise_scale" in r else ""
+    compiled = f"  compiled in {r['compile_s']:.1f}s" if r.get("compile_s") else ""
     return (f"epoch {int(r['epoch'])}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
             f"val_exact_acc {r['val_exact_acc']:.3f}  val_char_acc {r['val_char_acc']:.3f}  lr {r['lr']:.2e}  "
-            f"{r['samples_per_s']:,.0f} samples/s  {mem}{noise}")
+            f"{r['samples_per_s']:,.0f} samples/s  {mem}{noise}{compiled}")
 
 
 class ConsoleProgress:
@@ -133,6 +134,23 @@ class Progress:
         if self.enabled and self.tty:
             self._print(time.monotonic())
             print(file=sys.stderr, flush=True)
+
+
+def progress_printer():
+    """A `data.ProgressFn` that draws one `Progress` bar per label on stderr."""
+    bars: dict[str, Progress] = {}
+
+    def progress(label: str, done: int, total: int) -> None:
+        bar = bars.get(label)
+        if bar is None:  # the work starts (done == 0) or is already under way: its rate counts from here
+            bar = bars[label] = Progress(label, total)
+        if done > bar.done:
+            bar.advance(done - bar.done)
+        if done >= total:
+            bar.close()
+            del bars[label]
+
+    return progress
 
 
 def print_plan(plan) -> None:

@@ -14,12 +14,12 @@ import logging
 import multiprocessing
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from raysweep.console import Progress
 from raysweep.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,14 @@ class CaptchaArrays:
         return len(self.labels)
 
 
+# progress(label, done, total): called as work advances (the driver prints it: console.progress_printer); None: quiet
+ProgressFn = Callable[[str, int, int], None]
+
+
+def _quiet(label: str, done: int, total: int) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class CaptchaData:
     train: CaptchaArrays
@@ -47,7 +55,7 @@ class CaptchaData:
     source: str  # where the images came from, for logs and MLflow
 
 
-def load_data(cfg, progress: bool = True) -> CaptchaData:
+def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
     """The train/val arrays for a `DataConfig`: from folders, else the (cached) synthetic set."""
     if cfg.train_dir is None:
         return synthetic_data(cfg, progress=progress)
@@ -74,7 +82,8 @@ def encode_label(text: str, charset: str) -> np.ndarray:
 
 
 def read_folder(
-    folder: Path, charset: str, length: int, width: int, height: int, key: str = "data.train_dir", progress: bool = True
+    folder: Path, charset: str, length: int, width: int, height: int, key: str = "data.train_dir",
+    progress: ProgressFn | None = None,
 ) -> CaptchaArrays:
     """Decode every image of a folder; bad labels and unreadable files are one error naming up to 5."""
     folder = Path(folder)
@@ -116,12 +125,12 @@ def read_folder(
             unreadable.append(f"{files[i].name} ({type(e).__name__})")
             return False
 
-    bar = Progress(f"decoding {folder.name}", len(files), enabled=progress)
+    report, label = progress or _quiet, f"decoding {folder.name}"
+    report(label, 0, len(files))
     with cf.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # PIL decodes without the GIL
-        for was_resized in pool.map(decode, range(len(files)), chunksize=64):
+        for done, was_resized in enumerate(pool.map(decode, range(len(files)), chunksize=64), 1):
             resized += was_resized
-            bar.advance(1)
-    bar.close()
+            report(label, done, len(files))
     if unreadable:
         raise UserError(
             f"{key}: {len(unreadable)} unreadable image(s) in {str(folder)!r}: {'; '.join(sorted(unreadable)[:5])}"
@@ -192,7 +201,8 @@ def cache_dir() -> Path:
 
 
 def synthetic_split(
-    split: str, size: int, seed: int, charset: str, length: int, width: int, height: int, progress: bool = True
+    split: str, size: int, seed: int, charset: str, length: int, width: int, height: int,
+    progress: ProgressFn | None = None,
 ) -> CaptchaArrays:
     """`size` seeded captchas for `split`, rendered in parallel once, then read from the cache."""
     import captcha
@@ -210,15 +220,16 @@ def synthetic_split(
     labels = np.empty((size, length), dtype=np.uint8)
     chunk = 256
     tasks = [(a, min(a + chunk, size), seed, split, charset, length, width, height) for a in range(0, size, chunk)]
-    bar = Progress(f"generating synthetic {split} captchas", size, enabled=progress)
+    report, label, done = progress or _quiet, f"generating synthetic {split} captchas", 0
+    report(label, 0, size)
     workers = min(len(tasks), os.cpu_count() or 1)
     # spawn, not fork: the caller may already run Ray's threads
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for start, imgs, labs in pool.map(_render_range, tasks):
             images[start : start + len(imgs)] = imgs
             labels[start : start + len(labs)] = labs
-            bar.advance(len(imgs))
-    bar.close()
+            done += len(imgs)
+            report(label, done, size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
@@ -227,7 +238,7 @@ def synthetic_split(
     return CaptchaArrays(images, labels)
 
 
-def synthetic_data(cfg, progress: bool = True) -> CaptchaData:
+def synthetic_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
     s = cfg.synthetic
     shape = (cfg.charset, cfg.length, cfg.width, cfg.height)
     train = synthetic_split("train", s.train_size, s.seed, *shape, progress=progress)

@@ -29,6 +29,9 @@ class EpochMetrics:
     peak_mem_allocated_gb: float  # CUDA allocator peak allocated in the epoch, GiB, max over ranks (0 on CPU)
     peak_mem_reserved_gb: float  # CUDA allocator peak reserved in the epoch, GiB, max over ranks (0 on CPU)
     rss_gb: float  # resident memory of the worker process at epoch end, GiB, max over ranks
+    # seconds this epoch (start-up included in the first) spent compiling the step: torch.compile's first call at
+    # each shape (the probe step's or training's) and CUDA graph capture; max over ranks; 0 when nothing compiled
+    compile_s: float = 0.0
     # the gradient noise scale (noise.py), from the epoch's steps; absent (None) where a step has no
     # small/big gradient pair: one worker without accumulation
     grad_noise_scale: float | None = None  # B_noise = tr(Σ) / |G|², samples: the batch past which growth stops paying

@@ -1,19 +1,29 @@
 """The captcha CNN: 3 conv blocks, then two linear layers, one logit per (position, character).
 
-Each block is Conv 3×3 → BatchNorm → Dropout → ReLU → MaxPool 2, as in the original model. Training
-computes the same function with cheaper parts (benchmarks/loop_vs_seed.py measures them):
-- dropout masks are drawn as random bits, not with `bernoulli_` (which took 38 % of a CPU step);
-- dropout and ReLU are one in-place pass over BatchNorm's output, whose backward does not need it,
-  and one `threshold_backward` pass back (ReLU's own kernel: the output is 0 wherever either cut);
-- the 1/(1−p) dropout scale is applied after max-pooling, on 4× fewer values: for s > 0,
-  maxpool(s·a) = s·maxpool(a), with the same argmax, so values and gradients are unchanged;
-- on CPUs, the second conv's weight gradient is computed in NCHW (the rest stays channels_last).
+Each block is Conv 3×3 → BatchNorm → Dropout → ReLU → MaxPool 2, as in the original model (ReLU and
+dropout commute: relu(m·a) = m·relu(a) for a 0/1 mask m). Two paths compute that same function:
+
+- **CUDA** (and any device but the CPU): plain ops (`relu`, `dropout`, `max_pool2d`) that Inductor fuses into
+  BatchNorm's passes when the step is compiled (the default there). Under `torch.compile` a p = 0.5 mask is one
+  random bit per element, spread by shifts that fuse into the same kernel, and the first convolution (one input
+  channel) is nine shifted multiply-adds that Inductor fuses too: cuDNN ran it as a generic kernel and converted
+  its tensors between NCHW and NHWC twice a step. The CPU tricks below are custom
+  autograd functions and byte views that Inductor cannot lower on CUDA (`torch.bool is not supported by
+  torch.iinfo`), and bought nothing there eagerly (40.0 k vs 41.2 k images/s, benchmarks/RESULTS.md).
+- **CPU** (eager; benchmarks/loop_vs_seed.py measures each part):
+  - dropout masks are drawn as random bits, not with `bernoulli_` (which took 38 % of a CPU step);
+  - dropout and ReLU are one in-place pass over BatchNorm's output, whose backward does not need it,
+    and one `threshold_backward` pass back (ReLU's own kernel: the output is 0 wherever either cut);
+  - the 1/(1−p) dropout scale is applied after max-pooling, on 4× fewer values: for s > 0,
+    maxpool(s·a) = s·maxpool(a), with the same argmax, so values and gradients are unchanged;
+  - the second conv's weight gradient is computed in NCHW (the rest stays channels_last).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 _BIT_TABLES: dict[torch.device, torch.Tensor] = {}
@@ -50,10 +60,7 @@ def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
             keep = raw.view(torch.uint8)[:n] < round(256 * (1 - p))
         else:
             keep = raw.view(torch.int16)[:n] < round(65536 * (1 - p)) - 32768
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        n_, c, h, w = x.shape
-        return keep.view(n_, h, w, c).permute(0, 3, 1, 2)  # same memory order as x: a streaming pass
-    return keep.view(x.shape)
+    return _like(keep, x)
 
 
 class _MaskedReLU(torch.autograd.Function):
@@ -78,6 +85,52 @@ class _MaskedReLU(torch.autograd.Function):
 def dropout_relu_(x: torch.Tensor, p: float) -> torch.Tensor:
     """relu(dropout(x)) without the 1/(1−p) scale (the caller applies it); overwrites x."""
     return _MaskedReLU.apply(x, keep_mask(x, p))
+
+
+def random_bits_like(x: torch.Tensor) -> torch.Tensor:
+    """0/1 int32s shaped (and laid out) like `x`: one uniform random bit per element, 16 bits per draw.
+
+    Written in ops Inductor fuses: `randint` draws n/16 words (a sixteenth of the RNG work of one draw per
+    element), and the shift-and-mask that spreads their bits is index arithmetic inside the consumer's kernel.
+    """
+    n = x.numel()
+    words = torch.randint(0, 2**16, ((n + 15) // 16, 1), dtype=torch.int32, device=x.device)
+    shifts = torch.arange(16, dtype=torch.int32, device=x.device)
+    bits = ((words >> shifts) & 1).flatten()[:n]
+    return _like(bits, x)
+
+
+def _like(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`flat` (x.numel() values in x's memory order) viewed with x's shape and layout."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        n, c, h, w = x.shape
+        return flat.view(n, h, w, c).permute(0, 3, 1, 2)  # same memory order as x: a streaming pass
+    return flat.view(x.shape)
+
+
+def conv3x3_one_channel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`conv2d(x, weight, bias, padding=1)` for one input channel, as nine shifted multiply-adds (for Inductor to
+    fuse; eagerly it would be nine passes). Under autocast the output has autocast's dtype, as the convolution's
+    would; laid out NHWC, as cuDNN's was."""
+    h, w = x.shape[-2:]
+    padded = F.pad(x, (1, 1, 1, 1))
+    out = bias.view(1, -1, 1, 1)
+    for dh in range(3):
+        for dw in range(3):
+            out = out + padded[:, :, dh:dh + h, dw:dw + w] * weight[:, :, dh, dw].view(1, -1, 1, 1)
+    if torch.is_autocast_enabled(x.device.type):
+        out = out.to(torch.get_autocast_dtype(x.device.type))
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+def plain_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout for the CUDA path: `F.dropout` (one fused kernel) when eager; when compiled at p = 0.5, the keep
+    mask from `random_bits_like`, which Inductor fuses with the BatchNorm, ReLU and pooling around it."""
+    if not training or p == 0:
+        return x
+    if p == 0.5 and torch.compiler.is_compiling():
+        return x * random_bits_like(x).to(x.dtype) * 2.0
+    return F.dropout(x, p, training=True)
 
 
 class _ConvWeightGradNCHW(torch.autograd.Function):
@@ -111,11 +164,20 @@ def _memory_format(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format if t.is_contiguous() else torch.channels_last
 
 
+PATHS = ("cpu", "plain")  # CaptchaCNN(path=...): the CPU's kernels, or the plain ops (CUDA; None: by device)
+
+
+def _use_cpu_path(path: str | None, x: torch.Tensor) -> bool:
+    return path == "cpu" if path is not None else x.device.type == "cpu"
+
+
 class ConvBlock(nn.Module):
     """Conv 3×3 pad 1 → BatchNorm → Dropout(p) → ReLU → MaxPool 2."""
 
-    def __init__(self, in_channels: int, out_channels: int, dropout: float, weight_grad_nchw: bool = False):
+    def __init__(self, in_channels: int, out_channels: int, dropout: float, weight_grad_nchw: bool = False,
+                 path: str | None = None):
         super().__init__()
+        self.path = path
         self.weight_grad_nchw = weight_grad_nchw  # CPU fp32 only: see _ConvWeightGradNCHW
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1)
         self.bn = nn.BatchNorm2d(out_channels)
@@ -123,8 +185,15 @@ class ConvBlock(nn.Module):
         self.pool = nn.MaxPool2d(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _use_cpu_path(self.path, x):  # the plain ops Inductor fuses (module docstring)
+            conv = self.conv
+            if conv.in_channels == 1 and torch.compiler.is_compiling():
+                x = conv3x3_one_channel(x, conv.weight, conv.bias)
+            else:
+                x = conv(x)
+            return self.pool(plain_dropout(torch.relu(self.bn(x)), self.dropout, self.training))
         conv = self.conv
-        if (self.weight_grad_nchw and x.device.type == "cpu" and x.dtype == torch.float32 and torch.is_grad_enabled()
+        if (self.weight_grad_nchw and x.dtype == torch.float32 and torch.is_grad_enabled()
                 and not x.is_contiguous() and not torch.is_autocast_enabled("cpu")):  # channels_last
             x = self.bn(_ConvWeightGradNCHW.apply(x, conv.weight, conv.bias))
         else:
@@ -136,30 +205,39 @@ class ConvBlock(nn.Module):
 
 
 class CaptchaCNN(nn.Module):
-    """Input (B, 1, H, W) floats in [0, 1]; output (B, length × num_classes) logits."""
+    """Input (B, 1, H, W) floats in [0, 1]; output (B, length × num_classes) logits.
 
-    def __init__(self, height: int, width: int, length: int, num_classes: int, dropout: float = 0.5):
+    `path`: "cpu" (the CPU's kernels) or "plain" (the ops Inductor fuses: CUDA's); None picks by the input's
+    device. Both compute the same function; tests run the plain path on the CPU too."""
+
+    def __init__(self, height: int, width: int, length: int, num_classes: int, dropout: float = 0.5,
+                 path: str | None = None):
         super().__init__()
-        self.length, self.num_classes, self.dropout = length, num_classes, dropout
-        self.features = nn.Sequential(ConvBlock(1, 32, dropout), ConvBlock(32, 64, dropout, weight_grad_nchw=True),
-                                      ConvBlock(64, 64, dropout))
+        if path not in (None, *PATHS):
+            raise ValueError(f"path {path!r}: expected one of {PATHS} or None")
+        self.length, self.num_classes, self.dropout, self.path = length, num_classes, dropout, path
+        self.features = nn.Sequential(ConvBlock(1, 32, dropout, path=path),
+                                      ConvBlock(32, 64, dropout, weight_grad_nchw=True, path=path),
+                                      ConvBlock(64, 64, dropout, path=path))
         # three 2× pools, each flooring: 60×160 → 30×80 → 15×40 → 7×20
         self.fc1 = nn.Linear(64 * (height // 8) * (width // 8), 1024)
         self.fc2 = nn.Linear(1024, length * num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(self.features(x).flatten(1))
-        if self.training and self.dropout > 0:
+        if not _use_cpu_path(self.path, h):
+            h = plain_dropout(torch.relu(h), self.dropout, self.training)
+        elif self.training and self.dropout > 0:
             h = dropout_relu_(h, self.dropout) * (1.0 / (1.0 - self.dropout))  # h is saved: scale out of place
         else:
             h = torch.relu(h)
         return self.fc2(h)
 
 
-def build_model(image, dropout: float) -> CaptchaCNN:
+def build_model(image, dropout: float, path: str | None = None) -> CaptchaCNN:
     """The CNN for images of `image` (width, height, length, num_classes: config.ImageSpec), channels_last.
 
     NHWC is oneDNN's and cuDNN's fast conv layout (1.3× on the CPU step here, benchmarks/RESULTS.md).
     """
-    model = CaptchaCNN(image.height, image.width, image.length, image.num_classes, dropout)
+    model = CaptchaCNN(image.height, image.width, image.length, image.num_classes, dropout, path)
     return model.to(memory_format=torch.channels_last)

@@ -12,7 +12,7 @@ A run at global batch B then needs E(B) ≈ E_min·(1 + B/B_noise) samples and S
 optimizer steps to reach a given loss (section 2.2): batch growth pays up to about B_noise and little past it.
 
 The rank side (a DDP communication hook that measures |G_b|² before the all-reduce) is
-`train_loop.GradNoiseMeter`; this module is plain arithmetic, used by workers, driver and benchmarks.
+`worker.noise_meter.GradNoiseMeter`; this module is plain arithmetic, used by workers, driver and benchmarks.
 """
 
 from __future__ import annotations

@@ -38,12 +38,19 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model, peak_lr: float, weight_decay: float, device_type: str):
+def build_optimizer(model, peak_lr: float, weight_decay: float, device_type: str, capturable: bool = False):
+    """AdamW. `capturable`: the step count and the LR live on the device (the LR as a tensor the scheduler fills),
+    so that a CUDA graph can replay the optimizer step with the schedule's current LR."""
     import torch
 
     # fused AdamW: one kernel for all parameters instead of a chain per tensor (CUDA; CPU since 2.4).
     fused = device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=peak_lr, betas=(0.9, 0.999), fused=fused)
+    groups = param_groups(model, weight_decay)
+    if capturable:  # one LR tensor per group: the scheduler fills each in place (never the same tensor twice)
+        device = next(model.parameters()).device
+        for group in groups:
+            group["lr"] = torch.tensor(peak_lr, dtype=torch.float32, device=device)
+    return torch.optim.AdamW(groups, lr=peak_lr, betas=(0.9, 0.999), fused=fused, capturable=capturable)
 
 
 class WarmupCosine:

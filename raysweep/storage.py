@@ -62,11 +62,17 @@ def list_names(location: str) -> list[str]:
 
 def read_text(location: str) -> str | None:
     """The file's text, or None when there is no such file."""
+    data = read_bytes(location)
+    return None if data is None else data.decode()
+
+
+def read_bytes(location: str) -> bytes | None:
+    """The file's bytes, or None when there is no such file."""
     if not exists(location):
         return None
     fs, path = _fs(location)
     with fs.open_input_stream(path) as f:
-        return f.readall().decode()
+        return f.readall()
 
 
 def write_text(location: str, text: str) -> None:

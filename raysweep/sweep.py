@@ -52,6 +52,7 @@ class SweepContext:
     train_storage: str  # absolute folder or URI: Train runs live at <storage>/<name>/train/trial-<id>
     worker_env: dict  # captured in the driver: trial actors do not see the driver's environment
     batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
+    compile_cache: str | None = None  # <storage>/<name>/compile_cache: every trial's compiles (worker/compile_cache.py)
 
 
 def run_trial(knobs: dict, context: SweepContext) -> None:
@@ -69,7 +70,7 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     marker = failure_path(context.train_storage, name)
     storage.delete(marker)  # a restored trial tries again
     trainer = make_trainer(trial, context.data_ref, context.train_storage, name, [TuneReportCallback()],
-                           env=context.worker_env)
+                           env=context.worker_env, compile_cache=context.compile_cache)
     try:
         trainer.fit()
     except TrainingFailedError as e:
@@ -113,11 +114,12 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         plan = plan_concurrency(ray.cluster_resources(), config, num_samples)  # before any work: fail fast
         console.print_plan(plan)
         batch_cap = resolve_batch_cap(config, cap_batch)
-        data = load_data(config.data)  # decoded once per sweep; trials get an object ref, never paths
+        data = load_data(config.data, console.progress_printer())  # decoded once per sweep; trials get an object ref
         console.print_data(data, config)
         config.check_data_fits(len(data.train), batch_cap, searched=not single)  # before any trial starts
-        context = SweepContext(config, ray.put(data), len(data.train), storage.join(experiment_path, "train"), worker_env(),
-                               batch_cap)
+        compile_cache = storage.join(experiment_path, "compile_cache")
+        context = SweepContext(config, ray.put(data), len(data.train), storage.join(experiment_path, "train"),
+                               worker_env(compile_cache), batch_cap, compile_cache)
         del data
         if resume:
             console.print_resumed(resume_summary(experiment_path, num_samples))

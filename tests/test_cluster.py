@@ -45,6 +45,45 @@ def _keys(client) -> list[str]:
     return [o["Key"] for o in client.list_objects_v2(Bucket="sweeps").get("Contents", [])]
 
 
+COMPILE_CHILD = r"""
+import json, sys, torch
+from raysweep.worker import compile_cache
+location, save = sys.argv[1], sys.argv[2] == "save"
+loaded = compile_cache.load_artifacts(location)
+step = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+step(torch.rand(8))
+saved = compile_cache.save_artifacts(location) if save else None
+from torch._dynamo.utils import counters
+print(json.dumps({"loaded": loaded, "saved": saved, **counters["inductor"]}))
+"""
+
+
+def test_the_sweeps_compile_cache_is_a_folder_on_a_path_and_artifacts_on_s3(s3_bucket, tmp_path):
+    """On a path every worker's Inductor cache is the sweep's folder; on s3:// a worker that compiled saves torch's
+    portable artifacts there and a worker on a fresh node (an empty local cache) loads them and compiles nothing."""
+    from raysweep import storage
+    from raysweep.cluster import worker_env
+
+    root, client = s3_bucket
+    assert worker_env(str(tmp_path / "cc"))["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc")
+    location = storage.join(root, "sweep", "compile_cache")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env(location)
+
+    def worker(cache_dir: str, mode: str) -> dict:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache_dir)}
+        proc = subprocess.run([sys.executable, "-c", COMPILE_CHILD, location, mode], capture_output=True, text=True,
+                              timeout=240, cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = worker("node1", "save")
+    assert first["loaded"] == 0 and first.get("fxgraph_cache_miss", 0) > 0 and first["saved"]
+    name = first["saved"].split("?")[0].rsplit("/", 1)[1]  # named by its content
+    assert [k for k in _keys(client) if k.endswith(".bin")] == [f"runs/sweep/compile_cache/{name}"]
+    second = worker("node2", "load")
+    assert second["loaded"] == 1 and second.get("fxgraph_cache_hit", 0) > 0 and not second.get("fxgraph_cache_miss")
+
+
 @pytest.mark.ray
 def test_s3_storage_holds_checkpoints_the_failure_marker_and_the_probe_table(ray_cluster, tmp_path, monkeypatch,
                                                                              s3_bucket, capsys):

@@ -11,7 +11,10 @@ from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainC
 from raysweep.model import CaptchaCNN
 from raysweep.optim import build_optimizer
 from raysweep.tracking import failure_kind
-from raysweep.train_loop import DivergenceWatch, FaultInjection, RankModel, TrialFailure, probe_step
+from raysweep.worker.faults import FaultInjection, TrialFailure
+from raysweep.worker.net import RankModel
+from raysweep.worker.probe_step import probe_step
+from raysweep.worker.step import DivergenceWatch
 
 
 def _trial(batch=64, accum=1, workers=2):
@@ -62,13 +65,13 @@ def test_probe_step_leaves_model_and_optimizer_untouched_and_catches_oom():
         assert torch.equal(v, before[k]), k  # weights and BatchNorm statistics restored
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
-    import raysweep.train_loop as tl
+    from raysweep.worker import faults
 
-    real, tl.FAULTS = tl.FAULTS, FaultInjection(oom_above=16)
+    real, faults.FAULTS = faults.FAULTS, FaultInjection(oom_above=16)
     try:
         assert not probe_step(net, _trial(), 32).fits
     finally:
-        tl.FAULTS = real
+        faults.FAULTS = real
 
 
 def test_divergence_watch_raises_on_cpu_at_once():
@@ -139,6 +142,7 @@ def test_sweep_survives_oom_and_divergence(ray_cluster, tmp_path, monkeypatch, c
         else:  # grace_period = max_t: ASHA cannot cut a trial, so every other one finishes
             assert tune_status == "TERMINATED" and run.info.status == "FINISHED"
             p = run.data.params
-            assert (p["micro_batch_size"], p["accumulation_steps"], p["oom_downshifts"]) == ("32", "2", "1")
+            # what ran: 48 images a rank per step (96 a rank, 2 steps) OOM'd above 32, so 2 × 24 (nominally 2 × 32)
+            assert (p["micro_batch_size"], p["accumulation_steps"], p["oom_downshifts"]) == ("24", "2", "1")
             assert p["global_batch_size"] == "128"  # 64 × 2 workers × 1, as sampled
     assert seen == {16, 64, 128}, f"seed 3 no longer samples every batch: {seen}"

@@ -120,3 +120,52 @@ def test_nchw_weight_gradient_conv_matches_conv2d():
     assert got[1].is_contiguous(memory_format=torch.channels_last)  # like the weight, for the fused optimizer
     block = CaptchaCNN(24, 64, 4, 36).features[1]
     assert block.weight_grad_nchw and not CaptchaCNN(24, 64, 4, 36).features[0].weight_grad_nchw
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_one_channel_convolution_as_shifted_multiply_adds_is_conv2d(autocast):
+    """What the compiled CUDA path runs for the first convolution: conv2d's values and gradients."""
+    from raysweep.model import conv3x3_one_channel
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(1, 32, 3, padding=1)
+    x = torch.rand(4, 1, 24, 64)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        ours, theirs = conv3x3_one_channel(x, conv.weight, conv.bias), conv(x)
+    assert ours.dtype == theirs.dtype and ours.is_contiguous(memory_format=torch.channels_last)
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, theirs, **tol)
+    grad = torch.rand_like(theirs)
+    mine = torch.autograd.grad(ours, (conv.weight, conv.bias), grad)
+    reference = torch.autograd.grad(theirs, (conv.weight, conv.bias), grad)
+    for a, b in zip(mine, reference, strict=True):
+        torch.testing.assert_close(a, b, **({"rtol": 5e-2, "atol": 5e-1} if autocast else {"rtol": 1e-4, "atol": 1e-4}))
+
+
+def test_the_plain_path_computes_the_cpu_path_function():
+    """CUDA's model path (plain ops) and the CPU's kernels: the same outputs and gradients (no dropout, fp32)."""
+    outputs = {}
+    for path in ("cpu", "plain"):
+        torch.manual_seed(0)
+        model = CaptchaCNN(24, 64, 4, 36, dropout=0.0, path=path).to(memory_format=torch.channels_last)
+        out = model(torch.rand(8, 1, 24, 64, generator=torch.Generator().manual_seed(1)))
+        out.square().mean().backward()
+        outputs[path] = (out, [p.grad for p in model.parameters()])
+    torch.testing.assert_close(outputs["plain"][0], outputs["cpu"][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(outputs["plain"][1], outputs["cpu"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_random_bits_are_fair_independent_and_laid_out_like_their_tensor():
+    from raysweep.model import random_bits_like
+
+    torch.manual_seed(3)
+    x = torch.empty(64, 32, 30, 40).to(memory_format=torch.channels_last)
+    bits = random_bits_like(x)
+    assert bits.shape == x.shape and bits.stride() == x.stride() and set(bits.unique().tolist()) == {0, 1}
+    flat = random_bits_like(torch.empty(2_000_003)).double()
+    n = flat.numel()
+    assert abs(flat.mean().item() - 0.5) < 5 * (0.25 / n) ** 0.5
+    for lag in (1, 15, 16, 17):  # inside one 16-bit draw, across draws
+        both = (flat[:-lag] * flat[lag:]).mean().item()
+        assert abs(both - 0.25) < 5 * (0.25 * 0.75 / n) ** 0.5, lag

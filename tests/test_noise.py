@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 from raysweep.noise import estimate, recommend
-from raysweep.train_loop import EvalSums, GradNoiseMeter, TrainSums, reduce_metrics
+from raysweep.worker.evaluate import EvalSums
+from raysweep.worker.noise_meter import GradNoiseMeter
+from raysweep.worker.reduce import reduce_metrics
+from raysweep.worker.step import TrainSums
 from ranks import run_ranks
 
 D, DELTA_SQ, SIGMA_SQ = 8, 1.0, 1.0
@@ -138,7 +141,9 @@ def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate():
     from raysweep.model import CaptchaCNN
     from raysweep.optim import build_scheduler
     from test_loop_pieces import _net, _trial
-    from raysweep.train_loop import Shard, evaluate, train_one_epoch
+    from raysweep.worker.evaluate import evaluate
+    from raysweep.worker.shard import Shard
+    from raysweep.worker.step import train_one_epoch
 
     rng = np.random.default_rng(0)
     arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))

@@ -50,6 +50,8 @@ def test_train_command_three_epochs_two_workers(ray_cluster, tmp_path, capsys):
     for e in positive:
         assert values["grad_noise_scale"][e] == pytest.approx(values["grad_trace_cov"][e] / values["grad_sq_norm"][e])
     assert any(f"B_noise {values['grad_noise_scale'][e]:,.0f}" in epoch_lines[e - 1] for e in positive)
+    assert set(values["compile_s"].values()) == {0.0}  # train.compile auto: not on CPU workers
+    assert not any("compiled in" in line for line in epoch_lines)
     loss = {m.step: m.value for m in client.get_metric_history(child.info.run_id, "train_loss")}
     assert loss[3] < loss[1]
     samples = {m.step: m.value for m in client.get_metric_history(child.info.run_id, "samples_seen")}
@@ -83,7 +85,7 @@ def data_ref(ray_cluster, tmp_path):
     from raysweep.data import load_data
 
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
-    return ray_cluster.put(load_data(config.data, progress=False))
+    return ray_cluster.put(load_data(config.data))
 
 
 def test_accumulation_gives_same_global_batch_and_steps(tmp_path, data_ref):

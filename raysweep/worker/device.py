@@ -1,0 +1,117 @@
+"""Device and precision: which precision, compilation and CUDA graphs a rank's device gets, and the host
+memory tuning of CPU workers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+GiB = 2**30
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# CUDA graphs where launches leave the GPU idle: on an H100 (bf16, compiled) the step at micro-batch 64 ran 4.4×
+# faster as a graph (50,980 against 11,651 images/s), at 1024 1.3 % (benchmarks/RESULTS.md); above this the
+# graph's private memory pool, which evaluation cannot reuse, costs more than the launches it saves
+GRAPH_MAX_MICRO_BATCH = 512
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` → bf16 where the hardware computes it natively (GPUs that support it; CPUs with AVX512-BF16
+    or AMX), else fp32.
+
+    Measured on the CPU step (benchmarks/RESULTS.md): an AVX512-BF16 CPU ran bf16 autocast 2-2.5× faster
+    than fp32 (batch 64-512, same loss to 0.1 %); an AVX2-only CPU ran it 3× slower, emulated.
+    """
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX tiles, as torch's CPU dispatch sees them (private probes: absent → False, fp32)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_compile(setting: bool | str, device: torch.device) -> bool:
+    """`auto` → compile on CUDA (Inductor fuses BatchNorm, ReLU, dropout and pooling: 2.2× the eager step at batch
+    1024 bf16 on an H100), not on CPU workers (slower there: 42-44 against 67 images/s at batch 32, and a minute
+    to compile; benchmarks/RESULTS.md)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def resolve_graphs(setting: bool | str, device: torch.device, precision: str, world_size: int,
+                   micro_batch: int) -> bool:
+    """Whether a rank replays its optimizer steps as CUDA graphs.
+
+    Only on CUDA, for one-rank trials (a graph cannot hold gloo's collectives, and NCCL ones need DDP's
+    static-graph mode: not done), never under fp16 (GradScaler reads its overflow flag on the host). `auto`
+    adds: micro-batches up to GRAPH_MAX_MICRO_BATCH, where the saved launches matter.
+    """
+    possible = device.type == "cuda" and world_size == 1 and precision != "fp16"
+    if setting == "auto":
+        return possible and micro_batch <= GRAPH_MAX_MICRO_BATCH
+    return possible and bool(setting)
+
+
+def setup_device(device: torch.device) -> None:
+    """Once per process. CUDA: cuDNN picks each convolution's fastest algorithm by timing them, once per shape
+    (every micro-batch of a trial has the same shape, epoch_plan). CPU: keep_host_memory."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    else:
+        keep_host_memory(device)
+
+
+def autocast(device: torch.device, precision: str):
+    dtype = AUTOCAST_DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def device_name(device: torch.device) -> str:
+    """What the trial ran on, for MLflow's `device_name` param."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def keep_host_memory(device: torch.device) -> bool:
+    """CPU workers: serve large tensors from glibc's heap and keep them there between steps.
+
+    Otherwise every activation over 32 MB is a fresh mmap, page-faulted on first touch and unmapped
+    when freed, every step. At batch 512 on this project's 2-core CPU the step ran 101-120 images/s
+    this way against 65-69 with huge pages alone, at a peak RSS of 6.6 GiB against 3.4 GiB
+    (benchmarks/RESULTS.md). `release_host_memory()` at each epoch's end bounds the heap.
+    GPU workers keep glibc's default: their activations live on the GPU.
+    """
+    libc = _libc()
+    if device.type != "cpu" or libc is None:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def release_host_memory() -> None:
+    """Give free heap pages back to the OS (once per epoch), so fragmentation cannot accumulate."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def distributed() -> bool:
+    """A process group is up (several ranks): collectives are real."""
+    return dist.is_available() and dist.is_initialized()

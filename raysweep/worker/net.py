@@ -1,0 +1,82 @@
+"""One rank's model, built the same way for training and for the probe: the CNN on the device (CPU kernels
+or the plain ops CUDA compiles), compiled or not, wrapped in DDP where there are several ranks, its
+optimizer, precision and fp16 scaler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from raysweep.config import TrialConfig
+from raysweep.model import build_model
+from raysweep.optim import build_optimizer
+from raysweep.worker.device import resolve_compile, resolve_precision
+from raysweep.worker.noise_meter import GradNoiseMeter
+
+
+@dataclass
+class RankModel:
+    """`model` runs the training step (DDP over `step_core` where there are several ranks); `step_core` is the
+    module the step compiles (`core` itself when not compiled), run alone by the probe step; `core` is the plain
+    module, for evaluation and checkpoints."""
+
+    model: nn.Module
+    core: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    precision: str
+    device: torch.device
+    noise: GradNoiseMeter | None = None  # the gradient noise scale's measurements (None: not measured)
+    step_core: nn.Module | None = None  # None: `core`
+    compiled: bool = False
+    compile_s: float = 0.0  # seconds spent compiling the step (first call at each shape, CUDA graph capture)
+    _compiled_shapes: set = field(default_factory=set)  # micro-batch sizes the compiled step has met
+    steps: dict = field(default_factory=dict)  # step.TrainStep by (shard, micro-batch, accumulation): step.py
+
+    def __post_init__(self):
+        if self.step_core is None:
+            self.step_core = self.core
+
+    @classmethod
+    def build(cls, trial: TrialConfig, device: torch.device, wrap=None, compile: bool | str | None = None,
+              measure_noise: bool = True, path: str | None = None) -> RankModel:
+        """`wrap`: `ray.train.torch.prepare_model` on a worker (to the device; DDP when world size > 1).
+        `compile`: None → trial.train.compile (auto: CUDA yes, CPU no).
+        `measure_noise=False`: no GradNoiseMeter (benchmarks/noise_cost.py measures what it costs).
+        `path`: the model's path (model.CaptchaCNN), None → by device; tests run CUDA's ("plain") on the CPU."""
+        torch.manual_seed(trial.train.seed)  # identical init on every rank (DDP also broadcasts rank 0's weights)
+        core = build_model(trial.image, trial.model.dropout, path).to(device)
+        compiled = resolve_compile(trial.train.compile if compile is None else compile, device)
+        # static shapes: every micro-batch of a trial has one size (shard.epoch_plan); DDP wraps the compiled
+        # module, so the probe step can run the very kernels training runs without DDP's collectives
+        step_core = torch.compile(core, dynamic=False) if compiled else core
+        model = wrap(step_core) if wrap is not None else step_core
+        noise = GradNoiseMeter.attach(model, device) if measure_noise else None
+        precision = resolve_precision(trial.train.precision, device)
+        # a capturable optimizer keeps its step count and LR on the device, so a CUDA graph can replay its step
+        capturable = device.type == "cuda" and trial.train.cuda_graphs is not False and precision != "fp16"
+        optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type, capturable)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        return cls(model, core, optimizer, scaler, precision, device, noise, step_core, compiled)
+
+    def compiles(self, micro_batch: int) -> bool:
+        """True the first time the compiled step meets `micro_batch` (that call compiles: static shapes; the
+        probe step and training share it); False when not compiled or already compiled there."""
+        if not self.compiled or micro_batch in self._compiled_shapes:
+            return False
+        self._compiled_shapes.add(micro_batch)
+        return True
+
+    def count_compile(self, fn):
+        """Run `fn()` and count its wall time as compile time: a compiling first call (the step it also runs is
+        milliseconds of it) or a CUDA graph's capture."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_s += time.perf_counter() - t0

@@ -1,0 +1,239 @@
+"""The training step and one epoch of it: accumulation, clipping, the optimizer, the divergence check.
+
+A step runs eagerly or, where `device.resolve_graphs` says so, as a CUDA graph: the same code, captured once
+(after two eager warm-up steps that initialize the optimizer's state and cuDNN's choices) and then replayed
+with each step's micro-batch indices copied into its input buffer. Every figure the epoch reports accumulates
+on the device in buffers the graph writes in place; nothing in a step waits for the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raysweep.config import TrialConfig
+from raysweep.worker import faults
+from raysweep.worker.device import autocast, distributed, resolve_graphs
+from raysweep.worker.faults import TrialFailure
+from raysweep.worker.net import RankModel
+from raysweep.worker.shard import Shard, epoch_plan, plan_to_device
+
+LOSS_FN = nn.MultiLabelSoftMarginLoss()  # mean over batch and classes, on one-hot targets
+GRAPH_WARMUP_STEPS = 2  # eager steps before the capture: AdamW's state, cuDNN's algorithms, autograd's streams
+
+
+@dataclass
+class TrainSums:
+    """One rank's epoch, as sums on the device (no host sync until `reduce_metrics`)."""
+
+    loss_sum: torch.Tensor  # Σ loss × micro-batch size
+    samples: int
+    grad_norm_sum: torch.Tensor  # Σ pre-clip global norm over optimizer steps
+    grad_norm_max: torch.Tensor
+    clipped_steps: torch.Tensor
+    optimizer_steps: int
+    noise_small: torch.Tensor | float = 0.0  # Σ over steps of |G_b|² (GradNoiseMeter), this rank
+    noise_big: torch.Tensor | float = 0.0  # Σ over the same steps of |G_B|²
+    noise_steps: torch.Tensor | float = 0.0  # steps measured
+    noise_split: int = 1  # b_big / b_small (1: no pair, no estimate)
+    graph_peak_bytes: int = 0  # a CUDA graph's step: the allocator's peak at its capture (replays allocate nothing)
+
+
+class TrainStep:
+    """One optimizer step of one rank at a fixed micro-batch size and accumulation, eager or a CUDA graph."""
+
+    def __init__(self, net: RankModel, shard: Shard, trial: TrialConfig, micro_batch: int):
+        device = net.device
+        self.net, self.shard, self.micro_batch = net, shard, micro_batch
+        self.accum = trial.accumulation_steps
+        self.max_norm = trial.train.grad_clip if trial.train.grad_clip is not None else math.inf
+        self.params = [p for p in net.model.parameters() if p.requires_grad]
+        self.distributed = distributed()
+        self.graphs = resolve_graphs(trial.train.cuda_graphs, device, net.precision,
+                                     dist.get_world_size() if self.distributed else 1, micro_batch)
+        self.noise = net.noise if net.noise is not None and net.noise.split(self.accum) > 1 else None
+        # the epoch's sums, written in place by every step (a graph's outputs must live at fixed addresses)
+        zero = torch.zeros((), device=device, dtype=torch.float64)
+        self.loss_sum, self.grad_norm_sum, self.clipped = zero.clone(), zero.clone(), zero.clone()
+        self.grad_norm_max = torch.zeros((), device=device, dtype=torch.float32)
+        self.bad = torch.zeros((), device=device, dtype=torch.bool)
+        # a NaN injected at one step (tests): a factor on the loss, filled before each step, only when switched on
+        self.fault = torch.ones((), device=device) if faults.FAULTS.nan_at_step is not None else None
+        self.idx = torch.zeros((self.accum, micro_batch), dtype=torch.int64, device=device)  # the graph's input
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_peak_bytes = 0  # the allocator's peak during the capture: what the graph's pool holds
+        self.eager_steps = 0
+
+    def begin_epoch(self) -> None:
+        for t in (self.loss_sum, self.grad_norm_sum, self.clipped, self.grad_norm_max, self.bad):
+            t.zero_()
+        if self.noise is not None:
+            self.noise.take()  # a fresh epoch (a failed epoch might have left sums)
+
+    def __call__(self, idx: torch.Tensor, step: int, watch: DivergenceWatch, epoch: int) -> None:
+        """Optimizer step `step` (1-based, for the divergence message and the fault switch) on micro-batches
+        `idx` (accum, micro_batch) of shard indices on the device."""
+        if self.fault is not None:
+            self.fault.fill_(faults.FAULTS.loss_factor(step))
+        if not self.graphs:
+            self.gradients(idx)
+            watch.check(self.bad, epoch, step)  # before the update: on a CPU a bad step is never applied
+            self.update()
+            return
+        self.idx.copy_(idx)
+        if self.graph is None and self.eager_steps < GRAPH_WARMUP_STEPS:
+            self._warm_up()
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        watch.check(self.bad, epoch, step)
+
+    def gradients(self, idx: torch.Tensor) -> None:
+        """Forward and backward over the step's micro-batches, clip; the step's figures into the epoch's sums."""
+        net, accum, noise = self.net, self.accum, self.noise
+        model, scaler = net.model, net.scaler
+        fp16 = scaler.is_enabled()
+        step_loss = torch.zeros((), device=net.device) if fp16 else None
+        for micro in range(accum):
+            x, y = self.shard.batch(idx[micro])
+            # DDP all-reduces gradients in backward; skip it on all but the last micro-step
+            sync = micro == accum - 1 or not hasattr(model, "no_sync")
+            if noise is not None:
+                noise.before_backward(self.params, micro, accum)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                with autocast(net.device, net.precision):
+                    logits = model(x)
+                loss = LOSS_FN(logits.float(), y)
+                if self.fault is not None:
+                    loss = loss * self.fault
+                scaler.scale(loss / accum).backward()
+            if noise is not None:
+                noise.after_backward(self.params, micro, accum)
+            self.loss_sum += loss.detach() * self.micro_batch
+            if fp16:
+                step_loss += loss.detach()
+        scaler.unscale_(net.optimizer)  # clip and log the true norm, not the fp16-scaled one
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        if noise is not None:  # the scale the gradients were multiplied by, read on the device (no sync)
+            noise.step_done(norm, 1.0 / scaler._get_scale_async().double() if fp16 else 1.0)
+        # the norm is of the all-reduced gradients: every rank sees the same value and stops together
+        bad = ~torch.isfinite(norm)
+        if fp16:  # the scaler skips overflowing steps by design: there, a non-finite loss is divergence
+            bad = ~torch.isfinite(step_loss)
+            if self.distributed:  # losses are per rank: agree (read a step late on GPUs, like the rest)
+                bad = bad.float()
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                bad = bad > 0
+        self.bad.copy_(bad)
+        self.grad_norm_sum += norm
+        torch.maximum(self.grad_norm_max, norm.float(), out=self.grad_norm_max)
+        self.clipped += norm > self.max_norm
+
+    def update(self) -> None:
+        scaler, optimizer = self.net.scaler, self.net.optimizer
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _warm_up(self) -> None:
+        """An eager step on a side stream, as capturing requires: it allocates what the graph will not."""
+        stream = torch.cuda.Stream(self.net.device)
+        stream.wait_stream(torch.cuda.current_stream(self.net.device))
+        with torch.cuda.stream(stream):
+            self.gradients(self.idx)
+            self.update()
+        torch.cuda.current_stream(self.net.device).wait_stream(stream)
+        self.eager_steps += 1
+
+    def _capture(self) -> None:
+        """Record one whole step (gradients and update) as a CUDA graph; its time counts as compile time."""
+        def capture():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.gradients(self.idx)
+                self.update()
+            return graph
+
+        self.graph = self.net.count_compile(capture)
+        self.graph_peak_bytes = torch.cuda.max_memory_allocated(self.net.device)
+
+    def sums(self, samples: int, steps: int) -> TrainSums:
+        """The epoch's sums, copied out of the buffers the next epoch overwrites."""
+        out = TrainSums(self.loss_sum.clone(), samples, self.grad_norm_sum.clone(), self.grad_norm_max.clone(),
+                        self.clipped.clone(), steps, graph_peak_bytes=self.graph_peak_bytes)
+        if self.noise is not None:
+            small, big, measured = self.noise.take()
+            out = dataclasses.replace(out, noise_small=small, noise_big=big, noise_steps=measured,
+                                      noise_split=self.noise.split(self.accum))
+        return out
+
+
+def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig, epoch: int, rank: int) -> TrainSums:
+    """One pass over the rank's shard; returns on-device sums (no host sync inside, but the graph's capture)."""
+    tc = trial.train
+    num_batches = trial.micro_batches_per_epoch
+    if len(shard) > (trial.micro_batch_size + 1) * num_batches:
+        raise ValueError(f"a shard of {len(shard)} samples is more than {num_batches} micro-batches of "
+                         f"{trial.micro_batch_size}: train_size {trial.train_size} does not describe this data")
+    plan = plan_to_device(epoch_plan(len(shard), num_batches, tc.seed, epoch, rank), net.device)
+    micro_batch, accum = plan.shape[1], trial.accumulation_steps
+    faults.FAULTS.check_oom(micro_batch)  # what runs, as the probe step checks it
+    key = (id(shard), micro_batch, accum)
+    if key not in net.steps:
+        net.steps.clear()  # a downshift or a new shard: the old step's graph and buffers go
+        net.steps[key] = TrainStep(net, shard, trial, micro_batch)
+    train_step = net.steps[key]
+    train_step.begin_epoch()
+    watch = DivergenceWatch(net.device)
+    net.model.train()
+    for step in range(trial.steps_per_epoch):
+        batches = plan[step * accum:(step + 1) * accum]
+        if step == 0 and net.compiles(micro_batch):  # this call compiles (unless the probe step did)
+            net.count_compile(lambda: train_step(batches, scheduler.last_epoch + 1, watch, epoch))
+        else:
+            train_step(batches, scheduler.last_epoch + 1, watch, epoch)
+        scheduler.step()
+    watch.finish(epoch)
+    return train_step.sums(num_batches * micro_batch, trial.steps_per_epoch)
+
+
+class DivergenceWatch:
+    """Ends the trial on a non-finite step (gradient norm; loss under fp16) without a host sync per step on a GPU.
+
+    CPU: the value is already on the host, checked at once. CUDA: each step's flag is copied to
+    pinned memory behind the step and read one step later (after the next step is queued), so the
+    GPU never idles; a divergence is caught at most one step late, identically on every rank.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending = None  # (host flag, event, epoch, step) of the previous step (CUDA)
+        if self.cuda:
+            self.host = torch.zeros((), dtype=torch.bool).pin_memory()
+
+    def check(self, bad: torch.Tensor, epoch: int, step: int) -> None:
+        """`bad`: a bool tensor, identical on every rank."""
+        if not self.cuda:
+            if bad:
+                raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {epoch}, step {step}")
+            return
+        self.finish(epoch)
+        self.host.copy_(bad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending = (event, epoch, step)
+
+    def finish(self, epoch: int) -> None:
+        if self.cuda and self.pending is not None:
+            event, at_epoch, step = self.pending
+            event.synchronize()
+            self.pending = None
+            if bool(self.host):
+                raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {at_epoch}, step {step}")
