@@ -38,8 +38,8 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_compile(setting: bool | str, device: torch.device) -> bool:
     """`auto` → compile on CUDA (Inductor fuses BatchNorm, ReLU, dropout and pooling: 2.2× the eager step at batch
-    1024 bf16 on an H100), not on CPU workers (slower there: 42-44 against 67 images/s at batch 32, and a minute
-    to compile; benchmarks/RESULTS.md)."""
+    1024 bf16 on an H100), not on CPU workers (slower there: 42-44 against 64-68 images/s at batch 32, after a
+    minute of compiling; benchmarks/RESULTS.md)."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
