@@ -131,7 +131,7 @@ class Bench:
 
     def setting(self) -> dict:
         """How the step actually ran: compiled, replayed as a CUDA graph."""
-        step = next(iter(self.net.steps.values()), None)
+        step = self.net.train_step
         return {"compiled": self.net.compiled, "graphs": bool(step is not None and step.graphs),
                 "compile_s": self.net.compile_s}
 

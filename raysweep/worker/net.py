@@ -34,7 +34,7 @@ class RankModel:
     compiled: bool = False
     compile_s: float = 0.0  # seconds spent compiling the step (first call at each shape, CUDA graph capture)
     _compiled_shapes: set = field(default_factory=set)  # micro-batch sizes the compiled step has met
-    steps: dict = field(default_factory=dict)  # step.TrainStep by (shard, micro-batch, accumulation): step.py
+    train_step: object = None  # step.TrainStep for the current shard and shape (its buffers, its CUDA graph)
 
     def __post_init__(self):
         if self.step_core is None:
@@ -62,13 +62,13 @@ class RankModel:
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         return cls(model, core, optimizer, scaler, precision, device, noise, step_core, compiled)
 
-    def compiles(self, micro_batch: int) -> bool:
-        """True the first time the compiled step meets `micro_batch` (that call compiles: static shapes; the
-        probe step and training share it); False when not compiled or already compiled there."""
+    def call_step(self, micro_batch: int, fn):
+        """`fn()`, a call of the step's module at `micro_batch`; the compiled step's first call there compiles
+        (static shapes: the probe step and training share it), and its time counts as compile time."""
         if not self.compiled or micro_batch in self._compiled_shapes:
-            return False
+            return fn()
         self._compiled_shapes.add(micro_batch)
-        return True
+        return self.count_compile(fn)
 
     def count_compile(self, fn):
         """Run `fn()` and count its wall time as compile time: a compiling first call (the step it also runs is

@@ -72,10 +72,7 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
     oom = False
     t0 = time.perf_counter()
     try:  # the step's tensors are gone when it returns or raises: nothing of it is held below
-        if net.compiles(micro_batch):
-            net.count_compile(step)
-        else:
-            step()
+        net.call_step(micro_batch, step)
     except torch.OutOfMemoryError:
         oom = True
     finally:

@@ -70,6 +70,10 @@ class TrainStep:
         self.graph_peak_bytes = 0  # the allocator's peak during the capture: what the graph's pool holds
         self.eager_steps = 0
 
+    def runs(self, shard: Shard, micro_batch: int, accum: int) -> bool:
+        """Whether this step's buffers (and graph) fit an epoch of `shard` at this shape."""
+        return self.shard is shard and self.micro_batch == micro_batch and self.accum == accum
+
     def begin_epoch(self) -> None:
         for t in (self.loss_sum, self.grad_norm_sum, self.clipped, self.grad_norm_max, self.bad):
             t.zero_()
@@ -185,18 +189,17 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
     plan = plan_to_device(epoch_plan(len(shard), num_batches, tc.seed, epoch, rank), net.device)
     micro_batch, accum = plan.shape[1], trial.accumulation_steps
     faults.FAULTS.check_oom(micro_batch)  # what runs, as the probe step checks it
-    key = (id(shard), micro_batch, accum)
-    if key not in net.steps:
-        net.steps.clear()  # a downshift or a new shard: the old step's graph and buffers go
-        net.steps[key] = TrainStep(net, shard, trial, micro_batch)
-    train_step = net.steps[key]
+    train_step = net.train_step
+    if train_step is None or not train_step.runs(shard, micro_batch, accum):
+        net.train_step = None  # a downshift or a new shard: the old step's graph and buffers go first
+        net.train_step = train_step = TrainStep(net, shard, trial, micro_batch)
     train_step.begin_epoch()
     watch = DivergenceWatch(net.device)
     net.model.train()
     for step in range(trial.steps_per_epoch):
         batches = plan[step * accum:(step + 1) * accum]
-        if step == 0 and net.compiles(micro_batch):  # this call compiles (unless the probe step did)
-            net.count_compile(lambda: train_step(batches, scheduler.last_epoch + 1, watch, epoch))
+        if step == 0:  # may be the compiled step's first call at this shape (where the probe step was not)
+            net.call_step(micro_batch, lambda: train_step(batches, scheduler.last_epoch + 1, watch, epoch))
         else:
             train_step(batches, scheduler.last_epoch + 1, watch, epoch)
         scheduler.step()
