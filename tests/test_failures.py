@@ -53,17 +53,40 @@ def test_max_probe_is_only_for_the_batch_knob(tmp_path):
         load_config(write_spec(tmp_path, "search:\n  base_lr: {choice: [1.0e-3], max: 3}\n"))
 
 
-def test_probe_step_leaves_model_and_optimizer_untouched_and_catches_oom():
+def test_probe_step_leaves_the_training_state_as_it_found_it_and_catches_oom():
+    """A restored trial runs the probe step at start-up: it must leave the checkpoint's moments, step counts,
+    loss scale and RNG as they were (it once cleared the optimizer state: every restart forgot AdamW)."""
     torch.manual_seed(0)
     model = CaptchaCNN(24, 64, 4, 36).to(memory_format=torch.channels_last)
     opt = build_optimizer(model, 1e-3, 1e-4, "cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)  # growth every step: any step shows
+    net = RankModel(model, model, opt, scaler, "fp32", torch.device("cpu"))
+    for _ in range(2):  # a trained state, as a checkpoint restores it
+        x, y = torch.rand(8, 1, 24, 64), torch.randint(0, 2, (8, 144)).float()
+        scaler.scale(torch.nn.functional.multilabel_soft_margin_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    net = RankModel(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), "fp32", torch.device("cpu"))
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    scale, rng = scaler.state_dict(), torch.get_rng_state()
+    assert moments and all(float(s["step"]) == 2 for s in moments.values())
+
     ok = probe_step(net, _trial(), 32)
     assert ok.fits and ok.step_time_s > 0 and ok.peak_rss_gb > 0 and ok.per_gpu_batch_size == 32
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # weights and BatchNorm statistics restored
-    assert not opt.state and all(p.grad is None for p in model.parameters())
+    assert {id(p) for p in opt.state} == set(moments)
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, moments[id(p)][k]), k  # exp_avg, exp_avg_sq, step: the checkpoint's
+    assert scaler.state_dict() == scale and torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+    fresh = build_optimizer(model, 1e-3, 1e-4, "cpu")  # a trial's start: no state, and none after the probe
+    probe_step(RankModel(model, model, fresh, torch.amp.GradScaler("cpu", enabled=False), "fp32",
+                         torch.device("cpu")), _trial(), 32)
+    assert not fresh.state
 
     from raysweep.worker import faults
 

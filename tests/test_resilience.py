@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, tiny_spec, write_spec
@@ -146,6 +147,81 @@ def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
 
     assert decision(restore=True) == TrialScheduler.STOP  # 0.9 is worse than the pre-crash cutoff
     assert decision(restore=False) == TrialScheduler.CONTINUE  # what Ray alone does: an empty rung cuts nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# A restart is exact: the rank code of a run restored from a checkpoint continues as the uninterrupted run would
+
+
+class _Checkpoint:
+    """What `TrainingRun.restore` reads of a Ray Train checkpoint: a folder."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def as_directory(self):
+        import contextlib
+
+        return contextlib.nullcontext(self.path)
+
+
+def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: int | None, folder: str) -> dict:
+    """Four epochs of a 2-rank DDP run (dropout, warmup, accumulation, the noise meter); with `restart_after`,
+    the run is checkpointed after that epoch, dropped and rebuilt from the checkpoint (start-up probe included),
+    as a restarted worker group does. Returns each epoch's train loss and the final weights."""
+    import torch
+    from torch import nn
+
+    from raysweep.worker.run import CHECKPOINT_FILE, TrainingRun
+    from test_gpu import _data, _trial
+
+    cuda = device_type == "cuda"
+    device = torch.device("cuda:0" if cuda else "cpu")
+    trial = _trial(batch=16, accum=2, n=256, precision="bf16" if cuda else "fp32", dropout=0.3, epochs=4,
+                   world=world, warmup=1)
+    data = _data(256)
+
+    def started(checkpoint):
+        run = TrainingRun.build(trial, data, rank, world, device, wrap=lambda m: nn.parallel.DistributedDataParallel(m))
+        start = run.restore(checkpoint)
+        run.fit_in_memory()  # the OOM check at start-up, as every (re)started rank runs it
+        return run, start
+
+    run, start = started(None)
+    losses = {}
+    for epoch in range(start, trial.train.epochs + 1):
+        losses[epoch] = run.epoch(epoch).train_loss
+        if epoch == restart_after:
+            path = os.path.join(folder, f"rank{rank}")
+            os.makedirs(path, exist_ok=True)
+            torch.save(run.state(epoch, {}), os.path.join(path, CHECKPOINT_FILE))
+            del run
+            run, resumed_at = started(_Checkpoint(path))
+            assert resumed_at == epoch + 1
+    # the weights in a file: a queue's pipe holds 64 KiB, and the spawned rank cannot exit before it is read
+    weights = os.path.join(folder, f"weights-{restart_after}-rank{rank}.npz")
+    np.savez(weights, **{k: v.detach().cpu().numpy() for k, v in run.net.core.state_dict().items()})
+    return {"losses": losses, "weights": weights}
+
+
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA device")])])
+def test_a_run_restored_from_its_checkpoint_continues_exactly_as_the_uninterrupted_run(device_type, tmp_path):
+    """The rank code of a worker restart and of `--resume` (the Ray paths are the sweep tests below). CPU: bitwise
+    (gloo sums two ranks, CPU kernels are deterministic at a fixed thread count). CUDA: cuDNN's backward may
+    accumulate in any order, so 1e-3 relative: a restart that forgets AdamW moved epoch 3's loss by 10-20 %."""
+    from ranks import run_ranks
+
+    twin = run_ranks(_run_with_a_restart, 2, device_type=device_type, restart_after=None, folder=str(tmp_path))[0]
+    restarted = run_ranks(_run_with_a_restart, 2, device_type=device_type, restart_after=2, folder=str(tmp_path))[0]
+    exact = device_type == "cpu"
+    for epoch, loss in twin["losses"].items():
+        got = restarted["losses"][epoch]
+        assert got == loss if exact else abs(got - loss) <= 1e-3 * abs(loss), (epoch, got, loss)
+    twin_weights, restarted_weights = np.load(twin["weights"]), np.load(restarted["weights"])
+    for name, weight in twin_weights.items():
+        other = restarted_weights[name]
+        assert np.array_equal(other, weight) if exact else np.allclose(other, weight, rtol=1e-3, atol=1e-5), name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The OOM probe step: one full training step at a micro-batch on random data, every rank agreeing on the
-outcome, with the model and optimizer left as they were. Training's start-up and the `probe` command use it."""
+outcome, with everything training continues from left as it was (weights, optimizer moments, the fp16 scale,
+the RNG streams). Training's start-up and the `probe` command use it."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ class ProbeStep:
 
 
 def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeStep:
-    """One full step (forward, backward, optimizer) at `micro_batch` on random data; model and
-    optimizer left as they were. Every rank agrees on the outcome: OOM anywhere is OOM everywhere.
+    """One full step (forward, backward, optimizer) at `micro_batch` on random data; the training state left
+    as it was (`KeptState`: a restored trial continues from its checkpoint's moments, scale and RNG). Every
+    rank agrees on the outcome: OOM anywhere is OOM everywhere.
 
     Runs the step's module without DDP (`step_core`: compiled where training is, so its memory is training's),
     so the step issues no collective that an OOM could leave half-joined; the only collective is the all-reduce
@@ -47,7 +49,7 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
     model, optimizer, scaler, device = net.step_core, net.optimizer, net.scaler, net.device
     img = trial.image
     cuda = device.type == "cuda"
-    snapshot = {k: v.detach().clone() for k, v in net.core.state_dict().items()}  # BN buffers too
+    kept = KeptState.of(net)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -79,8 +81,7 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
         optimizer.zero_grad(set_to_none=True)
     step_time_s = time.perf_counter() - t0
     peak_rss = rss.stop() if rss else psutil.Process().memory_info().rss
-    net.core.load_state_dict(snapshot)
-    optimizer.state.clear()  # the probe's moments must not leak into training
+    kept.restore(net)
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         total = torch.cuda.get_device_properties(device).total_memory
@@ -93,6 +94,49 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
                               dist.ReduceOp.MAX, device)
     return ProbeStep(micro_batch, not agreed["oom"], agreed["alloc"], agreed["reserved"], agreed["rss"],
                      agreed["step_time_s"], agreed["total"])
+
+
+@dataclass
+class KeptState:
+    """What a step changes and training continues from: weights and BatchNorm statistics, the optimizer's
+    per-parameter state (Adam's moments, step counts), the fp16 loss scale, the RNG streams. Taken before the
+    probe step and put back after it, tensors in place (a CUDA graph captured later addresses them)."""
+
+    model: dict
+    optimizer: dict  # parameter → {name: value}; empty for an optimizer that has not stepped
+    scaler: dict
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+
+    @classmethod
+    def of(cls, net: RankModel) -> KeptState:
+        def copy(v):
+            return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+        cuda = net.device.type == "cuda"
+        return cls({k: copy(v) for k, v in net.core.state_dict().items()},
+                   {p: {k: copy(v) for k, v in s.items()} for p, s in net.optimizer.state.items()},
+                   net.scaler.state_dict(), torch.get_rng_state(),
+                   torch.cuda.get_rng_state(net.device) if cuda else None)
+
+    def restore(self, net: RankModel) -> None:
+        net.core.load_state_dict(self.model)
+        state = net.optimizer.state
+        for p in [p for p in state if p not in self.optimizer]:  # moments the probe created: not training's
+            del state[p]
+        for p, saved in self.optimizer.items():
+            for k, v in saved.items():
+                now = state[p].get(k)
+                if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor) and now.shape == v.shape \
+                        and now.dtype == v.dtype and now.device == v.device:
+                    now.copy_(v)
+                else:
+                    state[p][k] = v
+        if net.scaler.is_enabled():
+            net.scaler.load_state_dict(self.scaler)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, net.device)
 
 
 class RssSampler:
