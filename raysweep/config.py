@@ -277,19 +277,35 @@ class AshaConfig(_Section):
 class TuneSection(_Section):
     num_samples: PosInt = Field(6, description="trials")
     metric: str = Field("val_loss", description="metric ASHA ranks trials by")
-    mode: Literal["min", "max"] = Field("min", description="min or max")
+    mode: Literal["min", "max"] = Field(
+        None, description="min or max; left out (null) → the metric's own: losses min, accuracies max")
     max_concurrent_trials: PosInt | None = Field(None, description="null → planned from the cluster")
     seed: Int = Field(0, description="search seed")
     asha: AshaConfig = AshaConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _infer_mode(cls, data):
+        """A spec that leaves `mode` out means the metric's own direction (so no spec can rank backwards)."""
+        from raysweep.metrics import METRIC_MODES
+
+        if isinstance(data, dict) and data.get("mode") is None:
+            return {**data, "mode": METRIC_MODES.get(data.get("metric", "val_loss"), "min")}
+        return data
+
     @model_validator(mode="after")
     def _check(self):
-        from raysweep.metrics import RANKABLE_METRICS
+        from raysweep.metrics import METRIC_MODES, RANKABLE_METRICS
 
         if self.metric not in RANKABLE_METRICS:
             close = difflib.get_close_matches(self.metric, RANKABLE_METRICS, n=1)
             hint = f"did you mean '{close[0]}'?" if close else "one of " + ", ".join(RANKABLE_METRICS)
             raise ValueError(f"unknown metric {self.metric!r} ({hint})")
+        better = METRIC_MODES[self.metric]
+        if self.mode != better:
+            higher = "higher" if better == "max" else "lower"
+            raise ValueError(f"mode {self.mode!r} with metric {self.metric!r}, where {higher} is better: ASHA would "
+                             f"keep the worst trials; set mode: {better}, or leave mode out (it follows the metric)")
         return self
 
 

@@ -53,7 +53,9 @@ class WorkerParams:
 
 METRIC_NAMES = tuple(f.name for f in fields(EpochMetrics))
 WORKER_PARAMS = tuple(f.name for f in fields(WorkerParams))
-RANKABLE_METRICS = ("val_loss", "val_exact_acc", "val_char_acc", "train_loss")
+# the metrics a sweep can rank by, each with the direction that is better (`tune.mode` must agree)
+METRIC_MODES = {"val_loss": "min", "val_exact_acc": "max", "val_char_acc": "max", "train_loss": "min"}
+RANKABLE_METRICS = tuple(METRIC_MODES)
 
 
 def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:

@@ -106,6 +106,17 @@ def test_unknown_metric(tmp_path):
     assert "did you mean 'val_exact_acc'?" in _error(tmp_path, "tune:\n  metric: val_exact\n")
 
 
+@pytest.mark.parametrize("metric,mode", [("val_loss", "min"), ("train_loss", "min"), ("val_exact_acc", "max"),
+                                         ("val_char_acc", "max")])
+def test_mode_follows_the_metric_and_a_contrary_one_is_refused(tmp_path, metric, mode):
+    assert load_config(write_spec(tmp_path, f"tune:\n  metric: {metric}\n")).tune.mode == mode  # left out: inferred
+    assert load_config(write_spec(tmp_path, f"tune:\n  metric: {metric}\n  mode: {mode}\n")).tune.mode == mode
+    contrary = "max" if mode == "min" else "min"
+    with pytest.raises(UserError, match=rf"tune: mode '{contrary}' with metric '{metric}', where .* is better: ASHA "
+                                        rf"would keep the worst trials; set mode: {mode}"):
+        load_config(write_spec(tmp_path, f"tune:\n  metric: {metric}\n  mode: {contrary}\n"))
+
+
 def test_set_override_parses_yaml(tmp_path):
     path = write_spec(tmp_path, "")
     config = load_config(path, ["search.per_gpu_batch_size={choice: [32, 64]}", "train.epochs=2"])
