@@ -164,6 +164,7 @@ def read_failure(location: str) -> tuple[str, str] | None:
     return data["kind"], data["message"]
 
 
+KEPT_CHECKPOINTS = 2
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run's folder
 
 
@@ -225,7 +226,8 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
             name=name,
             storage_path=storage_path,
             callbacks=list(callbacks),
-            checkpoint_config=CheckpointConfig(num_to_keep=1),
+            # two: a newest checkpoint torn by a kill or a full disk has a predecessor (entry.load_state)
+            checkpoint_config=CheckpointConfig(num_to_keep=KEPT_CHECKPOINTS),
             # worker crashes restart from the last checkpoint; a group that cannot start is retried
             # once, so the wait is bounded by 2 × worker_start_timeout_s
             failure_config=FailureConfig(max_failures=trial.train.max_failures, controller_failure_limit=1),

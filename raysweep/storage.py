@@ -76,15 +76,32 @@ def read_bytes(location: str) -> bytes | None:
 
 
 def write_text(location: str, text: str) -> None:
-    """Write a whole file (its folder made first where the filesystem has folders)."""
+    """Write a whole file, atomically (`write_bytes`)."""
     write_bytes(location, text.encode())
 
 
 def write_bytes(location: str, data: bytes) -> None:
-    fs, path = _fs(location)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path) as f:
-        f.write(data)
+    """Write a whole file (its folder made first where the filesystem has folders), so that a reader, or a
+    process killed mid-write, sees the old file or the new one and never a torn one: on a local or NFS path a
+    temporary file beside it, flushed, then renamed over it (rename is atomic on both); an object store's put
+    is whole already."""
+    if is_uri(location):
+        fs, path = _fs(location)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
+    path = Path(location)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def delete(location: str) -> None:

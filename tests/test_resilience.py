@@ -196,18 +196,6 @@ def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
 # A restart is exact: the rank code of a run restored from a checkpoint continues as the uninterrupted run would
 
 
-class _Checkpoint:
-    """What `TrainingRun.restore` reads of a Ray Train checkpoint: a folder."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def as_directory(self):
-        import contextlib
-
-        return contextlib.nullcontext(self.path)
-
-
 def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: int | None, folder: str) -> dict:
     """Four epochs of a 2-rank DDP run (dropout, warmup, accumulation, the noise meter); with `restart_after`,
     the run is checkpointed after that epoch, dropped and rebuilt from the checkpoint (start-up probe included),
@@ -215,7 +203,7 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
     import torch
     from torch import nn
 
-    from raysweep.worker.run import CHECKPOINT_FILE, TrainingRun
+    from raysweep.worker.run import TrainingRun
     from test_gpu import _data, _trial
 
     cuda = device_type == "cuda"
@@ -224,9 +212,9 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
                    world=world, warmup=1)
     data = _data(256)
 
-    def started(checkpoint):
+    def started(state):
         run = TrainingRun.build(trial, data, rank, world, device, wrap=lambda m: nn.parallel.DistributedDataParallel(m))
-        start = run.restore(checkpoint)
+        start = run.restore(state)
         run.fit_in_memory()  # the OOM check at start-up, as every (re)started rank runs it
         return run, start
 
@@ -235,11 +223,10 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
     for epoch in range(start, trial.train.epochs + 1):
         losses[epoch] = run.epoch(epoch).train_loss
         if epoch == restart_after:
-            path = os.path.join(folder, f"rank{rank}")
-            os.makedirs(path, exist_ok=True)
-            torch.save(run.state(epoch, {}), os.path.join(path, CHECKPOINT_FILE))
+            path = os.path.join(folder, f"state-rank{rank}.pt")
+            torch.save(run.state(epoch, {}), path)  # as the checkpoint saves it, read back as entry.load_state does
             del run
-            run, resumed_at = started(_Checkpoint(path))
+            run, resumed_at = started(torch.load(path, map_location=device, weights_only=True))
             assert resumed_at == epoch + 1
     # the weights in a file: a queue's pipe holds 64 KiB, and the spawned rank cannot exit before it is read
     weights = os.path.join(folder, f"weights-{restart_after}-rank{rank}.npz")
@@ -265,6 +252,58 @@ def test_a_run_restored_from_its_checkpoint_continues_exactly_as_the_uninterrupt
     for name, weight in twin_weights.items():
         other = restarted_weights[name]
         assert np.array_equal(other, weight) if exact else np.allclose(other, weight, rtol=1e-3, atol=1e-5), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that cannot tear
+
+
+def test_raysweeps_own_files_are_never_seen_half_written(tmp_path):
+    """storage.write_bytes (the failure marker, the probe table, the report, the compile cache's artifacts): a
+    reader, or a kill, between its first byte and its last finds the old file or the new, never a part."""
+    from raysweep import storage
+
+    target = str(tmp_path / "marker.json")
+    payloads = [b"a" * (8 << 20), b"b" * (8 << 20)]
+    storage.write_bytes(target, payloads[0])
+    done, seen = threading.Event(), []
+
+    def write():
+        for i in range(30):
+            storage.write_bytes(target, payloads[i % 2])
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    while not done.is_set():
+        data = storage.read_bytes(target)
+        seen.append(data in payloads)
+    writer.join()
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} reads saw a torn file"
+    assert os.listdir(tmp_path) == ["marker.json"]  # no temporary file left behind
+
+
+def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    """Ray Train keeps two checkpoints (cluster.KEPT_CHECKPOINTS); when the newest cannot be read, the workers
+    load its predecessor instead of failing every restart on it."""
+    import ray.train
+    import torch
+
+    from raysweep.cluster import KEPT_CHECKPOINTS
+    from raysweep.worker.entry import load_state
+    from raysweep.worker.run import CHECKPOINT_FILE
+
+    assert KEPT_CHECKPOINTS >= 2
+    for epoch, name in ((2, "checkpoint_2026-11-23_05-00-00.000001"), (4, "checkpoint_2026-11-23_05-00-09.000002")):
+        (tmp_path / name).mkdir()
+        torch.save({"epoch": epoch}, tmp_path / name / CHECKPOINT_FILE)
+    newest = tmp_path / "checkpoint_2026-11-23_05-00-09.000002"
+    assert load_state(ray.train.Checkpoint(str(newest)), torch.device("cpu"))["epoch"] == 4
+    state = (newest / CHECKPOINT_FILE).read_bytes()
+    (newest / CHECKPOINT_FILE).write_bytes(state[: len(state) // 2])  # torn mid-write
+    assert load_state(ray.train.Checkpoint(str(newest)), torch.device("cpu"))["epoch"] == 2
+    (tmp_path / "checkpoint_2026-11-23_05-00-00.000001" / CHECKPOINT_FILE).write_bytes(b"")
+    assert load_state(ray.train.Checkpoint(str(newest)), torch.device("cpu")) is None  # nothing readable: start over
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def train_worker(config: dict) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None and config.get("resume_from"):  # Ray's checkpoint list was torn by a kill (cluster.py)
         checkpoint = ray.train.Checkpoint(config["resume_from"])
-    start_epoch = run.restore(checkpoint)
+    start_epoch = run.restore(load_state(checkpoint, device))
     if run.last_report:
         # the checkpoint's epoch again (every rank): its report may have died with a killed driver, and a run
         # that had finished must end with its real final result; trackers skip what they already hold
@@ -59,6 +59,30 @@ def train_worker(config: dict) -> None:
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         if rank == 0:
             write_failure(config["failure_file"], failure)
+
+
+def load_state(checkpoint, device: torch.device) -> dict | None:
+    """The state saved in Ray's latest checkpoint; where that one cannot be read (torn by a kill or a full disk
+    mid-write), the newest earlier one in the run's folder (cluster.KEPT_CHECKPOINTS keeps two). None: no
+    checkpoint, or none readable (the trial starts over, as it would have without one)."""
+    if checkpoint is None:
+        return None
+    import pyarrow.fs
+    import ray.train
+
+    fs = checkpoint.filesystem
+    run_dir, name = checkpoint.path.rstrip("/").rsplit("/", 1)
+    earlier = sorted((info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(run_dir))
+                      if info.base_name.startswith("checkpoint_") and info.base_name < name), reverse=True)
+    for candidate in [checkpoint, *(ray.train.Checkpoint(f"{run_dir}/{n}", filesystem=fs) for n in earlier)]:
+        try:
+            with candidate.as_directory() as d:
+                return torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
+        except Exception as e:  # torn: EOFError, RuntimeError (zip), UnpicklingError, FileNotFoundError
+            logging.getLogger(__name__).warning("checkpoint %s cannot be read (%s: %s); trying the one before it",
+                                                candidate.path, type(e).__name__, e)
+    logging.getLogger(__name__).warning("no readable checkpoint under %s: the trial starts over", run_dir)
+    return None
 
 
 def report(metrics: dict, rank: int, checkpoint_due: bool, state_fn) -> None:

@@ -53,12 +53,10 @@ class TrainingRun:
         return cls(trial, net, scheduler, Shard.build(data.train, rank, world_size, classes, device),
                    Shard.build(data.val, rank, world_size, classes, device), rank)
 
-    def restore(self, checkpoint) -> int:
-        """Load a Ray Train checkpoint if there is one; returns the epoch to start at."""
-        if checkpoint is None:
+    def restore(self, state: dict | None) -> int:
+        """Continue from a checkpoint's state (`entry.load_state`) if there is one; returns the epoch to start at."""
+        if state is None:
             return 1
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=self.net.device, weights_only=True)
         self.net.core.load_state_dict(state["model"])
         load_optimizer_state(self.net.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
