@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from raysweep import storage, tracking
 from raysweep.errors import UserError
 from raysweep.metrics import RunRecord, SweepRecord
 from raysweep.noise import Recommendation, recommend
+
+log = logging.getLogger(__name__)
 
 PLOTS = {  # file → what it shows (the HTML's captions)
     "metric_curves.png": "the ranking metric per epoch, one line per trial; × where ASHA pruned, ! where a trial failed",
@@ -116,26 +119,47 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
     return SweepReport(record, rows, baseline, advice, str(folder), [*files, "report.html"]), trial_pngs
 
 
+REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote it, and may rewrite it
+
+
 def publish(record: SweepRecord, location: str) -> SweepReport:
     """Build the report into `location` (a folder, or a URI under shared storage) and log it to MLflow: the
-    files and summary.json on the parent run, each trial's PNG on its child run, the recommendation."""
+    files and summary.json on the parent run, each trial's PNG on its child run, the recommendation.
+
+    The report is built in a folder of its own, so that MLflow gets the report's files and nothing else, then
+    copied to `location`; a local folder must be new, empty or a report raysweep wrote (`claim_folder`)."""
+    import dataclasses
     import shutil
     import tempfile
 
+    local = not storage.is_uri(location)
+    if local:
+        claim_folder(Path(location))
     with tempfile.TemporaryDirectory() as tmp:
-        local = not storage.is_uri(location)
-        folder = Path(location) if local else Path(tmp)
-        if local and (folder / "trials").is_dir():
-            shutil.rmtree(folder / "trials")  # a rebuilt report holds this sweep's trials only
+        folder = Path(tmp)
         report, trial_pngs = build(record, folder)
         tracking.log_report(record.tracking_uri, record, folder, trial_pngs,
                             [row.as_dict(record.metric) for row in report.rows])
         if report.recommendation is not None:
             tracking.log_recommendation(record.tracking_uri, record.parent_run_id, report.recommendation)
-        if not local:
-            for path in folder.rglob("*.*"):
-                storage.write_bytes(storage.join(location, str(path.relative_to(folder))), path.read_bytes())
-    return report
+        if local:
+            shutil.rmtree(Path(location) / "trials", ignore_errors=True)  # a rebuilt report holds this sweep's only
+            storage.write_text(str(Path(location) / REPORT_MARKER), "written by `raysweep report`; rewritten by it\n")
+        for path in folder.rglob("*.*"):
+            storage.write_bytes(storage.join(location, str(path.relative_to(folder))), path.read_bytes())
+    return dataclasses.replace(report, folder=location)
+
+
+def claim_folder(folder: Path) -> None:
+    """A local folder the report may write: new, empty, or one raysweep wrote before (its marker, or nothing but
+    a report's own files). Any other folder is refused: the report never mixes with, or deletes, other files."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"report folder {folder}: a file, not a folder; give a new folder, e.g. --out ./report")
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    if names and REPORT_MARKER not in names and not names <= {*PLOTS, "report.html", "trials"}:
+        others = ", ".join(sorted(names - {*PLOTS, "report.html", "trials"})[:3])
+        raise UserError(f"report folder {folder}: it holds files raysweep did not write ({others}, …); give a new "
+                        f"or empty folder, e.g. --out {folder / 'raysweep_report'}")
 
 
 def run(spec: str | None, overrides: list[str], experiment: str | None, tracking_uri: str | None,
@@ -156,6 +180,8 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     else:
         uri = tracking.resolve_tracking_uri(tracking_uri)
         default_out = str(Path("raysweep_report", experiment).resolve())
+    for run_id in tracking.reconcile_orphans(uri):  # a sweep whose driver died is not shown as still running
+        log.warning("MLflow run %s: its sweep's driver is gone; ended FAILED (%s)", run_id, tracking.DRIVER_LOST)
     record = tracking.load_sweep(uri, experiment)
     report = publish(record, out or default_out)
     console.print_report(report)

@@ -92,7 +92,12 @@ class TrialFailed(RuntimeError):
 
 def run(config: SweepConfig, *, single: bool = False, address: str | None = None, resume: bool = False,
         verbose: bool = False, progress_every_s: float = 30.0, cap_batch: int | None = None) -> int:
-    """Run a sweep (or, with `single`, one trial at the defaults). Returns the exit code."""
+    """Run a sweep (or, with `single`, one trial at the defaults). Returns the exit code.
+
+    Once the parent run is open, whatever fails ends it (and its RUNNING children) FAILED with the cause as the
+    `error` tag; Ctrl-C ends them KILLED + `interrupted`; a driver killed outright is found by the next command
+    on the store (tracking.reconcile_orphans).
+    """
     from raysweep import console, tracking
     from raysweep.cluster import connect, plan_concurrency, worker_env
     from raysweep.data import load_data
@@ -102,11 +107,12 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     storage_root = storage.resolve(config.storage_path)
     name = f"{config.name}-train" if single else config.name
     experiment_path = storage.join(storage_root, name)
-    if resume and not storage.is_dir(experiment_path):
-        raise UserError(f"--resume: no sweep at {experiment_path} (storage_path {str(config.storage_path)!r}, "
-                        f"name {name!r}); run it without --resume first")
+    resumed = check_resume(config, tracking_uri, experiment_path, name) if resume else None  # before Ray and data
+    for run_id in tracking.reconcile_orphans(tracking_uri, keep=resumed):
+        log.warning("MLflow run %s: its sweep's driver is gone; ended FAILED (%s)", run_id, tracking.DRIVER_LOST)
 
     started_ray = connect(address, config, verbose)
+    parent_run_id, ended = None, False
     try:
         import ray
 
@@ -121,22 +127,28 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         context = SweepContext(config, ray.put(data), len(data.train), storage.join(experiment_path, "train"),
                                worker_env(compile_cache), batch_cap, compile_cache)
         del data
-        if resume:
+        if resumed:
             console.print_resumed(resume_summary(experiment_path, num_samples))
-        experiment_id, parent_run_id = tracking.resumed_parent(tracking_uri, experiment_path) if resume else \
-            tracking.open_sweep(
+            tracking.resumed_parent(tracking_uri, resumed)
+            experiment_id, parent_run_id = tracking.experiment_of(tracking_uri, resumed), resumed
+        else:
+            experiment_id, parent_run_id = tracking.open_sweep(
                 tracking_uri, config.experiment_name, run_name=f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}",
                 tags={"raysweep.kind": "train" if single else "tune", "raysweep.storage": str(experiment_path),
                       "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode},
                 spec_text=spec_yaml(config))
-        progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
-        callbacks = [tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config, context.train_size),
-                     console.make_console_callback(progress)]
-        results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks).fit()
+        with tracking.Heartbeat(tracking_uri, parent_run_id):
+            progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
+            callbacks = [tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config,
+                                                       context.train_size),
+                         console.make_console_callback(progress)]
+            results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
+                             callbacks).fit()
         wall_s = time.monotonic() - t_start
         if results.num_terminated + results.num_errors < num_samples:
             # Ctrl-C: Tune stopped the trials and saved the experiment; mark the runs, then say how to resume
-            tracking.close_sweep(tracking_uri, parent_run_id, None, config.tune.metric, "KILLED")
+            tracking.end_sweep(tracking_uri, parent_run_id, "KILLED")
+            ended = True
             raise KeyboardInterrupt
         views = [TrialView.of_result(r, config.max_t) for r in results]
         ranked = rank(views, config.tune.metric, config.tune.mode)
@@ -145,26 +157,99 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             top = ranked[0]
             best = {"trial_id": top.trial_id, "value": top.value(config.tune.metric),
                     "params": config.trial(top.config, context.train_size).params()}
-        tracking.close_sweep(tracking_uri, parent_run_id, best, config.tune.metric, "FINISHED" if ranked else "FAILED")
-        if single:
-            first = min(progress.first_report_s.values(), default=None)
-            console.print_train_summary(config, ranked[0] if ranked else None, context.train_size, wall_s, first)
-        else:  # the report is built from the MLflow store, exactly as `raysweep report` rebuilds it
+        built = None
+        if not single:  # the report is built from the MLflow store, exactly as `raysweep report` rebuilds it
             from raysweep import report
 
             built = report.publish(tracking.load_sweep(tracking_uri, config.experiment_name, parent_run_id),
                                    storage.join(experiment_path, "report"))
+        tracking.close_sweep(tracking_uri, parent_run_id, best, config.tune.metric, "FINISHED" if ranked else "FAILED")
+        ended = True
+        if single:
+            first = min(progress.first_report_s.values(), default=None)
+            console.print_train_summary(config, ranked[0] if ranked else None, context.train_size, wall_s, first)
+        else:
             console.print_sweep_summary(config, views, built, wall_s)
         ui, link = tracking.runs_link(tracking_uri, experiment_id, None if single else parent_run_id,
                                       config.tune.metric, config.tune.mode)
         console.print_where(experiment_path, tracking_uri, config.experiment_name, experiment_id, ui, link,
                             config.tune.metric)
         return 0 if ranked else 1
+    except BaseException as e:
+        if parent_run_id is not None and not ended:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            try:
+                tracking.end_sweep(tracking_uri, parent_run_id, "KILLED" if interrupted else "FAILED",
+                                   error=None if interrupted else _cause(e))
+            except Exception as mlflow_error:  # the store itself failing: say so, and raise the first cause
+                log.error("could not end MLflow run %s: %s", parent_run_id, mlflow_error)
+        raise
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
+
+
+def _cause(e: BaseException) -> str:
+    """One line for the `error` tag: the exception and, for Tune's wrapper, what it wraps."""
+    inner = e.__cause__ or e.__context__
+    line = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    if inner is not None and type(e).__name__ == "TuneError":
+        line = f"{type(inner).__name__}: {str(inner).strip()}"
+    return line
+
+
+# keys a resumed sweep may change: how long to wait and how often to retry, nothing a trial computes
+RESUME_MAY_CHANGE = ("scaling.worker_start_timeout_s", "train.max_failures")
+# the keys that found the sweep (its storage and store): compared by where they lead, not by their text
+RESUME_IDENTITY = ("name", "storage_path", "mlflow.")
+
+
+def check_resume(config: SweepConfig, tracking_uri: str, experiment_path: str, name: str) -> str:
+    """What `--resume` needs, checked before Ray starts or the data loads: a restorable Tune experiment at
+    `experiment_path`, its MLflow parent run, a spec that agrees with the spec.yaml logged there, and no driver
+    still running it. Returns the parent run id; a UserError (one line) names what is wrong."""
+    import yaml
+    from ray.tune import Tuner
+
+    from raysweep import tracking
+
+    where = f"storage_path {str(config.storage_path)!r}, name {name!r}"
+    if not storage.is_dir(experiment_path):
+        raise UserError(f"--resume: no sweep at {experiment_path} ({where}); run it without --resume first")
+    if not Tuner.can_restore(experiment_path):
+        held = ", ".join(storage.list_names(experiment_path)) or "nothing"
+        raise UserError(f"--resume: {experiment_path} holds no Tune experiment to resume (only {held}: `probe` "
+                        f"output?); run the sweep without --resume")
+    parent = tracking.find_parent(tracking_uri, experiment_path)
+    logged = tracking.spec_of(tracking_uri, parent.info.run_id)
+    if logged is not None:
+        changed = spec_changes(yaml.safe_load(logged) or {}, config.model_dump(mode="json"))
+        if changed:
+            raise UserError(
+                f"--resume: the spec differs from the sweep's own (spec.yaml of MLflow run {parent.info.run_id}): "
+                f"{'; '.join(changed)}. Tune resumes the sweep's search space and ASHA as they were, so trials would "
+                f"run another spec: undo the change, or start a new sweep (another name)")
+    if parent.info.status == "RUNNING" and tracking.driver_alive(parent.data.tags):
+        tags = parent.data.tags
+        raise UserError(f"--resume: this sweep's driver still runs (pid {tags['raysweep.driver.pid']} on "
+                        f"{tags['raysweep.driver.host']}); stop it first (Ctrl-C), or wait for it")
+    return parent.info.run_id
+
+
+def spec_changes(before: dict, after: dict) -> list[str]:
+    """'key: old → new' for every key both specs hold whose value differs, but the ones a resume may change."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v and not set(v) & {"choice", "loguniform", "uniform", "randint"}:
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    old, new = dict(flat(before)), dict(flat(after))
+    return [f"{k}: {old[k]!r} → {new[k]!r}" for k in old if k in new and old[k] != new[k]
+            and k not in RESUME_MAY_CHANGE and not k.startswith(RESUME_IDENTITY)]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict
 from datetime import datetime
@@ -55,13 +56,13 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
         db = sqlite_path(tracking_uri)
         location = (db.parent / "mlartifacts" / experiment).as_uri() if db else None
         experiment_id = client.create_experiment(experiment, artifact_location=location)
-    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+    run = client.create_run(experiment_id, run_name=run_name, tags={**tags, **driver_tags()})
     client.log_text(run.info.run_id, spec_text, "spec.yaml")
     return experiment_id, run.info.run_id
 
 
-def resumed_parent(tracking_uri: str, experiment_path: str) -> tuple[str, str]:
-    """The parent run of the sweep stored at `experiment_path`, set RUNNING again: (experiment_id, run_id)."""
+def find_parent(tracking_uri: str, experiment_path: str):
+    """The newest parent run of the sweep stored at `experiment_path` (an mlflow Run), or a UserError."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -72,8 +73,157 @@ def resumed_parent(tracking_uri: str, experiment_path: str) -> tuple[str, str]:
     )
     if not runs:
         raise UserError(f"--resume: no MLflow parent run for {experiment_path} in {tracking_uri}")
-    client.update_run(runs[0].info.run_id, status="RUNNING")
-    return runs[0].info.experiment_id, runs[0].info.run_id
+    return runs[0]
+
+
+def experiment_of(tracking_uri: str, run_id: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+
+
+def spec_of(tracking_uri: str, run_id: str) -> str | None:
+    """The spec.yaml a sweep logged on its parent run (None for a run without one)."""
+    from mlflow.tracking import MlflowClient
+
+    return _artifact_text(MlflowClient(tracking_uri), run_id, "spec.yaml")
+
+
+def resumed_parent(tracking_uri: str, parent_run_id: str) -> None:
+    """Take a sweep's parent run over for `--resume` (checked before by sweep.check_resume): RUNNING again, with
+    this driver's address and heartbeat."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    reopen(client, parent_run_id)
+    _set_tags(client, parent_run_id, driver_tags())
+
+
+def reopen(client, run_id: str) -> None:
+    """RUNNING again, without the marks of how it ended (a resumed sweep's parent, a resumed trial's run)."""
+    tags = client.get_run(run_id).data.tags
+    for key in ("error", "interrupted"):
+        if key in tags:
+            client.delete_tag(run_id, key)
+    client.update_run(run_id, status="RUNNING")
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a sweep's driver lives, and the sweeps whose driver is gone. A driver SIGKILLed, or terminated by Ray when
+# its GCS died, ends nothing: its runs would stay RUNNING. Every sweep records its driver (host, pid, the process's
+# start time) and refreshes a heartbeat on its parent run; the next raysweep command on the store ends the runs
+# of a dead driver FAILED (`error: driver lost`): on this host at once when the process is gone, elsewhere when the
+# heartbeat is older than STALE_AFTER_S.
+
+HEARTBEAT_EVERY_S = 30.0
+STALE_AFTER_S = 300.0
+DRIVER_LOST = "driver lost"
+
+
+def driver_tags() -> dict[str, str]:
+    import socket
+
+    import psutil
+
+    return {"raysweep.driver.host": socket.gethostname(), "raysweep.driver.pid": str(os.getpid()),
+            "raysweep.driver.started": repr(psutil.Process().create_time()),
+            "raysweep.heartbeat": repr(time.time())}
+
+
+def driver_alive(tags: dict, now: float | None = None) -> bool | None:
+    """Whether the driver named in a parent run's tags still runs; None: the run names none (an older sweep)."""
+    import socket
+
+    import psutil
+
+    host = tags.get("raysweep.driver.host")
+    if host is None:
+        return None
+    if host == socket.gethostname():
+        try:
+            process = psutil.Process(int(tags["raysweep.driver.pid"]))
+            return abs(process.create_time() - float(tags["raysweep.driver.started"])) < 1.0  # not a reused pid
+        except (psutil.NoSuchProcess, KeyError, ValueError):
+            return False
+    return (now or time.time()) - float(tags.get("raysweep.heartbeat", 0)) < STALE_AFTER_S
+
+
+class Heartbeat:
+    """Refreshes the parent run's `raysweep.heartbeat` every HEARTBEAT_EVERY_S while the sweep runs (a thread
+    of its own, with a client of its own; a failed write is logged and retried at the next beat)."""
+
+    def __init__(self, tracking_uri: str, run_id: str, every_s: float = HEARTBEAT_EVERY_S):
+        import threading
+
+        self.tracking_uri, self.run_id, self.every_s = tracking_uri, run_id, every_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="raysweep-heartbeat", daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join(timeout=10)
+
+    def _run(self):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.tracking_uri)
+        while not self.done.wait(self.every_s):
+            try:
+                client.set_tag(self.run_id, "raysweep.heartbeat", repr(time.time()))
+            except Exception as e:  # a busy store: the next beat tries again
+                log.warning("heartbeat of run %s not written: %s", self.run_id, e)
+
+
+def reconcile_orphans(tracking_uri: str, keep: str | None = None) -> list[str]:
+    """End every sweep on the store whose driver is gone (parent and RUNNING children FAILED, tagged
+    `error: driver lost`), but the parent `keep` (a `--resume` takes its own sweep over). Returns the parent run
+    ids ended. A store that does not exist yet holds none (and is not created)."""
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():
+        return []
+    client = MlflowClient(tracking_uri)
+    ended = []
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return []
+    for run in client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'", max_results=10_000):
+        if run.info.run_id == keep or "mlflow.parentRunId" in run.data.tags:
+            continue
+        if driver_alive(run.data.tags) is False:
+            end_sweep(tracking_uri, run.info.run_id, "FAILED", error=DRIVER_LOST)
+            ended.append(run.info.run_id)
+    return ended
+
+
+def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | None = None) -> None:
+    """End a sweep that did not finish: its RUNNING children (KILLED + interrupted for a Ctrl-C, else FAILED) and
+    the parent, with `error` (the cause) as a tag on each; the children that ended keep their verdict."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    children = client.search_runs(
+        [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"
+    )
+    child_status = "FAILED" if status == "FAILED" else "KILLED"
+    for run_id, ends in [(c.info.run_id, child_status) for c in children] + [(parent_run_id, status)]:
+        if ends == "KILLED":  # interrupted: `tune --resume` sets them RUNNING again
+            client.set_tag(run_id, "interrupted", "true")
+        if error:
+            client.set_tag(run_id, "error", error[:5000])
+        client.set_terminated(run_id, status=ends)
+
+
+def _set_tags(client, run_id: str, tags: dict) -> None:
+    from mlflow.entities import RunTag
+
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: str, config, train_size: int):
@@ -155,7 +305,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
         def on_trial_start(self, iteration, trials, trial, **info):
             run_id = self._run_for(trial)
             if self.client.get_run(run_id).info.status != "RUNNING":  # resumed: interrupted runs were KILLED
-                self.client.update_run(run_id, status="RUNNING")
+                reopen(self.client, run_id)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             from mlflow.entities import Metric, Param
@@ -207,7 +357,7 @@ def failure_kind(error_line: str) -> str | None:
 
 
 def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric: str, status: str) -> None:
-    """End the parent run with the best trial's params and metric; end children left RUNNING."""
+    """End the parent run with the best trial's params and metric; end children left RUNNING (end_sweep)."""
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
@@ -217,15 +367,7 @@ def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric
         now = int(time.time() * 1000)
         client.log_batch(parent_run_id, metrics=[Metric(f"best_{metric}", float(best["value"]), now, 0)], params=params)
         client.set_tag(parent_run_id, "best_trial_id", best["trial_id"])
-    run = client.get_run(parent_run_id)
-    experiment_id = run.info.experiment_id
-    children = client.search_runs(
-        [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"
-    )
-    for child in children:  # interrupted: `tune --resume` sets them RUNNING again
-        client.set_tag(child.info.run_id, "interrupted", "true")
-        client.set_terminated(child.info.run_id, status="KILLED")
-    client.set_terminated(parent_run_id, status=status)
+    end_sweep(tracking_uri, parent_run_id, status)
 
 
 def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
@@ -320,10 +462,13 @@ def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = N
                         + (f"it holds {', '.join(map(repr, names))}" if names else "the store is empty"))
     if parent_run_id is None:
         parents = client.search_runs([found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune'",
-                                     order_by=["attributes.start_time DESC"], max_results=1)
+                                     order_by=["attributes.start_time DESC"], max_results=50)
         if not parents:
             raise UserError(f"report: experiment {experiment!r} in {tracking_uri} holds no sweep (no `tune` run)")
-        parent = parents[0]
+        # the newest sweep that ran a trial: one that failed before its first trial has nothing to show
+        parent = next((p for p in parents if client.search_runs(
+            [found.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{p.info.run_id}'", max_results=1)),
+            parents[0])
     else:
         parent = client.get_run(parent_run_id)
     tags = parent.data.tags

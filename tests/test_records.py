@@ -1,0 +1,184 @@
+"""What a failure leaves behind: no MLflow run left RUNNING (an exception, a dead driver), a `--resume` that checks
+before it works, a report that writes only its own files. Real MLflow on SQLite in tmp_path; real Ray where a
+sweep runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import tiny_spec, write_spec
+from raysweep import storage, tracking
+from raysweep.cli import main
+from raysweep.config import load_config, spec_yaml
+
+
+def _client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def _all_runs(uri):
+    client = _client(uri)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _open_sweep(tmp_path, spec_path, **tags):
+    """A sweep's parent run as `tune` opens it (with this process as its driver) and one RUNNING child."""
+    config = load_config(spec_path)
+    uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
+    experiment_path = storage.join(storage.resolve(config.storage_path), config.name)
+    experiment_id, parent = tracking.open_sweep(
+        uri, config.experiment_name, "sweep", {"raysweep.kind": "tune", "raysweep.storage": experiment_path},
+        spec_yaml(config))
+    child = _client(uri).create_run(experiment_id, run_name="trial", tags={"mlflow.parentRunId": parent}).info.run_id
+    for key, value in tags.items():
+        _client(uri).set_tag(parent, key, value)
+    return uri, experiment_path, parent, child
+
+
+# ---------------------------------------------------------------------------------------------
+# No run left RUNNING
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_an_exception_inside_the_sweep_ends_the_parent_and_the_running_trial_failed_with_the_cause(
+        ray_cluster, tmp_path, monkeypatch):
+    from raysweep import console
+
+    real = console.make_console_callback
+
+    def failing(progress):
+        callback = real(progress)
+        on_result = callback.on_trial_result
+
+        def on_trial_result(iteration, trials, trial, result, **info):
+            on_result(iteration, trials, trial, result, **info)
+            if result.get("epoch") == 2:
+                raise RuntimeError("injected: the console broke at epoch 2")
+
+        callback.on_trial_result = on_trial_result
+        return callback
+
+    monkeypatch.setattr(console, "make_console_callback", failing)
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, train={"epochs": 4, "reference_batch_size": 64}))
+    with pytest.raises(Exception, match="injected|Tune run failed"):
+        main(["tune", str(spec)])
+    runs = _all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(runs) == 2 and not [r for r in runs if r.info.status == "RUNNING"]
+    for run in runs:  # the parent and the trial that was running
+        assert run.info.status == "FAILED", run.info.run_name
+        assert "injected: the console broke at epoch 2" in run.data.tags["error"], run.data.tags
+
+
+def test_runs_whose_driver_is_gone_are_ended_by_the_next_command_on_the_store(tmp_path):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    dead = _dead_pid()
+    uri, _, lost_here, lost_child = _open_sweep(tmp_path, spec, **{"raysweep.driver.pid": str(dead)})
+    _, _, alive_here, alive_child = _open_sweep(tmp_path, spec)  # this process: alive
+    stale = time.time() - tracking.STALE_AFTER_S - 60
+    _, _, lost_there, _ = _open_sweep(tmp_path, spec, **{"raysweep.driver.host": "elsewhere",
+                                                        "raysweep.heartbeat": repr(stale)})
+    _, _, beating_there, _ = _open_sweep(tmp_path, spec, **{"raysweep.driver.host": "elsewhere"})
+    assert main(["report", str(spec), "--out", str(tmp_path / "report")]) == 0  # any command on the store
+    client = _client(uri)
+    for run_id in (lost_here, lost_child, lost_there):
+        run = client.get_run(run_id)
+        assert (run.info.status, run.data.tags.get("error")) == ("FAILED", tracking.DRIVER_LOST), run_id
+    for run_id in (alive_here, alive_child, beating_there):
+        assert client.get_run(run_id).info.status == "RUNNING"  # a live driver's runs are left alone
+
+
+def test_the_heartbeat_refreshes_while_the_sweep_runs(tmp_path):
+    uri, _, parent, _ = _open_sweep(tmp_path, write_spec(tmp_path, tiny_spec(tmp_path)))
+    before = float(_client(uri).get_run(parent).data.tags["raysweep.heartbeat"])
+    with tracking.Heartbeat(uri, parent, every_s=0.2):
+        time.sleep(1.0)
+    assert float(_client(uri).get_run(parent).data.tags["raysweep.heartbeat"]) > before + 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# --resume checks before it works
+
+
+@pytest.fixture
+def no_ray_no_data(monkeypatch):
+    """--resume's checks come first: reaching Ray or the data fails the test."""
+    import raysweep.cluster
+    import raysweep.data
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("--resume started Ray or loaded data before its checks")
+
+    monkeypatch.setattr(raysweep.cluster, "connect", unreachable)
+    monkeypatch.setattr(raysweep.data, "load_data", unreachable)
+
+
+def test_resume_of_a_folder_without_a_tune_experiment_is_one_line_before_ray(tmp_path, capsys, no_ray_no_data):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    storage.write_text(str(tmp_path / "results" / "t" / "probe.json"), "{}")  # what `probe` leaves there
+    assert main(["tune", str(spec), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no Tune experiment to resume (only probe.json" in err[0], err
+
+
+def test_resume_refuses_a_changed_spec_naming_the_keys_and_a_sweep_whose_driver_still_runs(tmp_path, capsys,
+                                                                                         no_ray_no_data):
+    from raysweep.sweep import check_resume
+
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    uri, experiment_path, parent, _ = _open_sweep(tmp_path, spec)
+    storage.write_bytes(storage.join(experiment_path, "tuner.pkl"), b"")  # what Tuner.can_restore looks for
+    capsys.readouterr()
+    assert main(["tune", str(spec), "--resume", "--set", "train.epochs=8", "--set", "tune.num_samples=4",
+                 "--set", "train.max_failures=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the spec differs from the sweep's own (spec.yaml of MLflow run {parent})" in err[0]
+    assert "train.epochs: 3 → 8; tune.num_samples: 1 → 4." in err[0] and "max_failures" not in err[0], err
+    # the same spec, but the sweep's driver (this process) still runs it
+    assert main(["tune", str(spec), "--resume"]) == 2
+    assert "this sweep's driver still runs" in capsys.readouterr().err
+    assert _client(uri).get_run(parent).info.status == "RUNNING"  # a refused resume touched nothing
+    _client(uri).set_tag(parent, "raysweep.driver.pid", str(_dead_pid()))
+    config = load_config(spec, ["train.max_failures=3"])  # a retry budget may change
+    assert check_resume(config, uri, experiment_path, "t") == parent
+
+
+# ---------------------------------------------------------------------------------------------
+# The report writes only its own files
+
+
+def test_report_refuses_a_folder_of_other_files_and_writes_only_its_own(tmp_path, capsys):
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    uri, _, parent, child = _open_sweep(tmp_path, spec)
+    tracking.end_sweep(uri, parent, "FINISHED")
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / "mlflow.db").write_bytes(b"not the report's")
+    (project / "trials").mkdir()
+    (project / "trials" / "mine.txt").write_text("a user's file")
+    capsys.readouterr()  # MLflow's own INFO lines from creating the store here
+    assert main(["report", str(spec), "--out", str(project)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"report folder {project}: it holds files raysweep did not write (.git, mlflow.db" in err[0]
+    assert (project / "trials" / "mine.txt").read_text() == "a user's file"  # nothing deleted
+
+    out = tmp_path / "report"
+    assert main(["report", str(spec), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("written beside the report later")
+    assert main(["report", str(spec), "--out", str(out)]) == 0  # its own folder: rewritten
+    logged = {a.path for a in _client(uri).list_artifacts(parent, "report")}
+    assert "report/report.html" in logged and "report/notes.txt" not in logged and \
+        "report/.raysweep-report" not in logged, logged
