@@ -4,12 +4,15 @@ A sweep of --trials trials (room for one at a time: 2 CPU workers on this 2-core
 driver process this script starts. Every --kill-every seconds a random rank of the running trial is
 SIGKILLed (its worker group restarts from the trial's checkpoint); the driver itself is SIGKILLed
 --driver-kills times and resumed with `tune --resume`. At the end the MLflow store must hold every
-trial, each child run terminal, and exactly one value per (run, metric, epoch) with no gap.
+trial, each child run terminal, and exactly one value per (run, metric, epoch) with no gap. Then the same
+sweep runs again without a fault (its twin, in a store of its own): a resumed trial must be the trial it
+would have been, so every trial must have its twin's metrics at every epoch, bitwise (the same search seed
+draws the same trials in the same order; CPU kernels and gloo's two-rank sums are deterministic here).
 
-    python benchmarks/soak.py            # 24 trials, about 15 minutes here
+    python benchmarks/soak.py            # 24 trials + their twins, about 30 minutes here
     python benchmarks/soak.py --quick    # 6 trials, one driver kill
 
-Last line: RESULT soak trials=.. faults=.. restarts=.. lost=.. duplicates=..
+Last line: RESULT soak trials=.. faults=.. restarts=.. lost=.. duplicates=.. diverged_from_twin=..
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ def sigkill_driver(driver: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=30)
 
 
+TWIN_METRICS = ("train_loss", "val_loss", "val_exact_acc", "grad_norm", "lr", "samples_seen")
+
+
 class Store:
     def __init__(self, uri: str):
         from mlflow.tracking import MlflowClient
@@ -98,6 +104,45 @@ class Store:
 
     def logged_count(self) -> int:
         return sum(len(self.epochs(r.info.run_id)) for r in self.children())
+
+    def histories(self) -> dict[str, dict[str, dict[int, float]]]:
+        """{trial index (the sweep's n-th trial): {metric: {epoch: value}}}: what the twin comparison reads."""
+        return {r.info.run_name.rsplit("_", 1)[-1]: {m: {int(x.step): x.value for x in
+                                                         self.client.get_metric_history(r.info.run_id, m)}
+                                                     for m in TWIN_METRICS}
+                for r in self.children()}
+
+
+def run_twin(trials: int, env: dict) -> dict:
+    """The same sweep without a fault, in a folder and store of its own: the histories of its trials."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "soak.yaml"
+        spec.write_text(SPEC.format(tmp=tmp, trials=trials))
+        with open(Path(tmp) / "twin.log", "w") as log:
+            code = subprocess.run([sys.executable, "-m", "raysweep", "tune", str(spec), "--progress-every", "600"],
+                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            print((Path(tmp) / "twin.log").read_text()[-3000:])
+        return Store(f"sqlite:///{tmp}/mlflow.db").histories()
+
+
+def compare_twins(faulted: dict, twins: dict) -> list[str]:
+    """The trials whose metrics differ from their twin's at some epoch (or that ran other epochs), described."""
+    diverged = []
+    for index, history in sorted(faulted.items()):
+        twin = twins.get(index)
+        if twin is None:
+            diverged.append(f"trial {index}: no twin")
+            continue
+        for metric, values in history.items():
+            if values != twin[metric]:
+                epochs = sorted(set(values) | set(twin[metric]))
+                worst = max((abs(values[e] - twin[metric][e]) for e in epochs if e in values and e in twin[metric]),
+                            default=float("nan"))
+                diverged.append(f"trial {index}: {metric} epochs {sorted(values)} vs the twin's "
+                                f"{sorted(twin[metric])}, largest difference {worst:.3g}")
+                break
+    return diverged
 
 
 def main() -> int:
@@ -189,10 +234,17 @@ def main() -> int:
         if resume_s:
             print(f"resume (tune --resume → the first new epoch in MLflow): median {statistics.median(resume_s):.1f} s, "
                   f"all {[round(s, 1) for s in resume_s]}")
-        ok = code == 0 and not not_terminal and lost == 0 and duplicates == 0
-        print(f"RESULT soak trials={len(names)} faults={worker_kills + drivers - 1} restarts={drivers - 1} "
-              f"lost={lost} duplicates={duplicates}")
-        return 0 if ok else 1
+        faulted = store.histories()
+    t_twin = time.monotonic()
+    diverged = compare_twins(faulted, run_twin(a.trials, env))
+    print(f"twin: the same sweep without a fault, {time.monotonic() - t_twin:.0f} s; "
+          f"{len(faulted) - len(diverged)} of {len(faulted)} trials match it at every epoch, bitwise")
+    for line in diverged:
+        print(f"  {line}")
+    ok = code == 0 and not not_terminal and lost == 0 and duplicates == 0 and not diverged
+    print(f"RESULT soak trials={len(names)} faults={worker_kills + drivers - 1} restarts={drivers - 1} "
+          f"lost={lost} duplicates={duplicates} diverged_from_twin={len(diverged)}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
