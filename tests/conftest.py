@@ -7,11 +7,22 @@ import os
 # Ray reads these when first imported (before any test module imports it)
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-# dummy credentials for the S3 API on loopback (moto) in test_cluster.py; set before any Ray process starts,
-# so that every one of them (Tune's, Train's) inherits them
-for _key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-    os.environ.setdefault(_key, "testing")
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# S3 in the tests is moto's server on loopback (test_cluster.py), reached with dummy credentials. A developer's
+# real AWS settings (keys, session token, profile, endpoint overrides, ~/.aws files) must reach no test process:
+# every AWS_* variable is dropped and the dummies forced, here, before any Ray process starts, so that every one
+# of them (Tune's, Train's) inherits exactly these (test_cluster.py checks it in a child pytest).
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # botocore and pyarrow's AWS SDK read ~/.aws/credentials and ~/.aws/config (profiles, endpoint_url) otherwise
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",  # never ask a cloud VM's metadata service for its role
+}
+for _key in [k for k in os.environ if k.startswith("AWS_")]:
+    del os.environ[_key]
+os.environ.update(AWS_TEST_ENV)
 
 from pathlib import Path  # noqa: E402
 

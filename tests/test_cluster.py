@@ -8,10 +8,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, tiny_spec, write_spec
+from conftest import AWS_TEST_ENV, ROOT, tiny_spec, write_spec
 from raysweep.cli import main
 
 
@@ -43,6 +44,38 @@ def s3_bucket():
 
 def _keys(client) -> list[str]:
     return [o["Key"] for o in client.list_objects_v2(Bucket="sweeps").get("Contents", [])]
+
+
+AWS_CHILD = r"""
+import json, os
+
+COLLECTED = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}  # at collection: before any fixture runs
+
+def test_what_this_process_sees():
+    with open(os.environ["ENV_SEEN_FILE"], "w") as f:
+        json.dump({"collected": COLLECTED, "test": {k: v for k, v in os.environ.items() if k.startswith("AWS_")}}, f)
+"""
+
+
+def test_a_developers_aws_settings_reach_no_test_process(tmp_path):
+    """A child pytest started with real-looking AWS settings and the project's conftest.py sees conftest's dummies
+    alone, already while it collects test modules: before any fixture can start a Ray process (which inherits them)."""
+    real = {"AWS_ACCESS_KEY_ID": "AKIAREALKEY0000000000", "AWS_SECRET_ACCESS_KEY": "real-secret",
+            "AWS_SESSION_TOKEN": "real-session", "AWS_SECURITY_TOKEN": "real-session", "AWS_PROFILE": "prod",
+            "AWS_DEFAULT_PROFILE": "prod", "AWS_DEFAULT_REGION": "eu-west-1", "AWS_REGION": "eu-west-1",
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(tmp_path / "config"),
+            "AWS_ENDPOINT_URL": "https://s3.real.example", "AWS_ENDPOINT_URL_S3": "https://s3.real.example",
+            "AWS_ROLE_ARN": "arn:aws:iam::123456789012:role/prod", "AWS_WEB_IDENTITY_TOKEN_FILE": str(tmp_path / "t")}
+    (tmp_path / "test_child.py").write_text(AWS_CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PYTEST_"))}
+    env.update(real, ENV_SEEN_FILE=str(tmp_path / "seen.json"), PYTHONPATH=str(ROOT / "tests"))
+    # `-p conftest`: the project's conftest.py, imported at start-up as pytest imports it for tests/
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                           "--basetemp", str(tmp_path / "child"), str(tmp_path / "test_child.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"collected": AWS_TEST_ENV, "test": AWS_TEST_ENV}
 
 
 COMPILE_CHILD = r"""
@@ -135,6 +168,21 @@ def three_node_cluster():
         cluster.shutdown()
 
 
+def _reports(experiment: Path) -> dict[str, list[tuple[int, list[str]]]]:
+    """Every report each trial's rank 0 made, from Tune's own result log: trial id → [(epoch, node id by rank)].
+
+    MLflow cannot tell a restart: the tracker skips an epoch it already holds and logs `nodes` once. Tune's log
+    keeps every report, each carrying the node ids of the worker group that made it.
+    """
+    reports: dict[str, list[tuple[int, list[str]]]] = {}
+    for log in experiment.glob("*/result.json"):
+        for line in log.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                reports.setdefault(row["trial_id"], []).append((int(row["epoch"]), row["nodes"].split(",")))
+    return reports
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_sweep_on_a_multi_node_cluster_survives_a_lost_node(ray_cluster, three_node_cluster, tmp_path):
@@ -158,14 +206,14 @@ def test_sweep_on_a_multi_node_cluster_survives_a_lost_node(ray_cluster, three_n
     try:
         # once the first trial has reported an epoch, remove a node that runs one of its ranks
         deadline = time.monotonic() + 300
-        nodes = None
-        while nodes is None and time.monotonic() < deadline and driver.poll() is None:
-            time.sleep(1.0)
+        watched = None
+        while watched is None and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.25)  # the trial has a few seconds of epochs left: remove the node within them
             experiment = store.get_experiment_by_name("t")
             runs = store.search_runs([experiment.experiment_id]) if experiment else []
-            nodes = next((r.data.params["nodes"] for r in runs if "nodes" in r.data.params), None)
-        assert nodes, log.read_text()[-3000:]
-        victim = next(w for w in workers if w.node_id in nodes.split(","))
+            watched = next((r for r in runs if "nodes" in r.data.params), None)
+        assert watched, log.read_text()[-3000:]
+        victim = next(w for w in workers if w.node_id in watched.data.params["nodes"].split(","))
         cluster.remove_node(victim)
         assert driver.wait(timeout=420) == 0, log.read_text()[-3000:]
     finally:
@@ -182,5 +230,16 @@ def test_sweep_on_a_multi_node_cluster_survives_a_lost_node(ray_cluster, three_n
         assert len(ranks) == 2 and len(set(ranks)) == 2  # 1 CPU per node: each rank on its own raylet
         steps = [m.step for m in store.get_metric_history(run.info.run_id, "val_loss")]
         assert steps == [1, 2, 3, 4]  # the trial that lost a node restarted from its checkpoint, nothing twice
+    # the node loss restarted that trial's worker group. Tune's log holds its reports in order: the first group's
+    # (a rank on the lost node), then the new group's, off it; the new group began from the last checkpoint, so
+    # an epoch came twice (entry.py replays the checkpoint's own report first, the old group's `nodes` in it)
+    reports = _reports(tmp_path / "results" / "t")
+    assert len(reports) == 2, reports
+    restarted = reports[watched.data.tags["trial_id"]]
+    epochs = [epoch for epoch, _ in restarted]
+    old_group = [victim.node_id in ranks for _, ranks in restarted]
+    assert old_group[0] and not old_group[-1] and old_group == sorted(old_group, reverse=True), \
+        f"no restart off the lost node {victim.node_id}: (epoch, node ids) reported {restarted}"
+    assert epochs[-1] == 4 and len(set(epochs)) < len(epochs), f"no epoch reported again: {restarted}"
     # checkpoints went to storage_path, on the driver's machine here (shared storage on real machines)
     assert list((tmp_path / "results" / "t" / "train").glob("trial-*/checkpoint_*/state.pt"))

@@ -1,7 +1,8 @@
 """The sweep report: files and MLflow artifacts after `tune`, `report` from the store alone, and what a person
 sees: `mlflow ui` on the sweep's store and report.html, driven in a real headless Chromium (Debian's chromium
-and chromium-driver, installed by .ci/run; skipped only where they are absent). Screenshots are kept under
-the test's tmp dir (screenshots/)."""
+and chromium-driver, installed by .ci/run; skipped where they are absent, except under .ci/run, which sets
+RAYSWEEP_REQUIRE_BROWSER=1: there a missing browser fails). Screenshots are kept under the test's tmp dir
+(screenshots/)."""
 
 from __future__ import annotations
 
@@ -134,20 +135,37 @@ def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message
 # In a real browser
 
 
-def _browser():
+# .ci/run sets it: CI must run these tests, so there a missing browser fails them instead of skipping them
+REQUIRE_BROWSER = os.environ.get("RAYSWEEP_REQUIRE_BROWSER") == "1"
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium through Debian's chromedriver; skipped where a piece is missing, failed under .ci/run."""
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        pytest.skip("selenium is not installed (.ci/run installs it)")
+        webdriver = None
     binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not binary or not driver:
-        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+    missing = [what for what, found in (("the selenium package (pip install -e '.[test]')", webdriver),
+                                        ("chromium (apt-get install chromium)", binary),
+                                        ("chromedriver (apt-get install chromium-driver)", driver)) if not found]
+    if missing:
+        message = f"no real browser: {', '.join(missing)} not found"
+        if REQUIRE_BROWSER:
+            pytest.fail(f"{message}; RAYSWEEP_REQUIRE_BROWSER=1 (set by .ci/run, which installs them) makes this a "
+                        f"failure, not a skip", pytrace=False)
+        pytest.skip(message)
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
         options.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver), options=options)
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
 
 
 def _wait_text(browser, *texts, timeout=60) -> str:
@@ -189,7 +207,7 @@ def mlflow_ui(sweep):
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_mlflow_ui_in_chromium_shows_the_trials_the_curves_and_the_plots(sweep, mlflow_ui):
+def test_mlflow_ui_in_chromium_shows_the_trials_the_curves_and_the_plots(sweep, browser, mlflow_ui):
     from selenium.webdriver.common.by import By
 
     shots = sweep["tmp"] / "screenshots"
@@ -199,40 +217,36 @@ def test_mlflow_ui_in_chromium_shows_the_trials_the_curves_and_the_plots(sweep, 
     link = next(ln.split("then open ")[1] for ln in sweep["out"].splitlines() if "then open " in ln)
     link = link.replace("127.0.0.1:5000", f"127.0.0.1:{mlflow_ui}")
     base = f"http://127.0.0.1:{mlflow_ui}/#/experiments/{experiment_id}/runs"
-    browser = _browser()
-    try:
-        # 1. the printed link: this sweep's trials, each a row, sorted by val_loss
-        browser.get(link)
-        body = _wait_text(browser, *trial_ids, f"{len(children)} matching runs")
-        browser.save_screenshot(str(shots / "1_runs_link.png"))
-        assert "Sort: val_loss" in body
-        # 2. a child is nested under the parent (its overview names the parent run)
-        child = children[0]
-        browser.get(f"{base}/{child.info.run_id}")
-        _wait_text(browser, child.data.tags["trial_id"], parent.info.run_name)
-        browser.save_screenshot(str(shots / "2_child_overview.png"))
-        # 3. the child's metric charts
-        browser.get(f"{base}/{child.info.run_id}/model-metrics")
-        _wait_text(browser, "Model metrics", "clip_fraction", "epoch_time_s", "Step")  # charts, alphabetical
-        assert browser.find_elements(By.CSS_SELECTOR, "svg, canvas")
-        browser.save_screenshot(str(shots / "3_child_metrics.png"))
-        # 4. the parent's artifacts: the report's plots listed, one shown
-        browser.get(f"{base}/{parent.info.run_id}/artifacts/report/metric_curves.png")
-        _wait_text(browser, "report", *PLOTS, "report.html", "spec.yaml")
+    # 1. the printed link: this sweep's trials, each a row, sorted by val_loss
+    browser.get(link)
+    body = _wait_text(browser, *trial_ids, f"{len(children)} matching runs")
+    browser.save_screenshot(str(shots / "1_runs_link.png"))
+    assert "Sort: val_loss" in body
+    # 2. a child is nested under the parent (its overview names the parent run)
+    child = children[0]
+    browser.get(f"{base}/{child.info.run_id}")
+    _wait_text(browser, child.data.tags["trial_id"], parent.info.run_name)
+    browser.save_screenshot(str(shots / "2_child_overview.png"))
+    # 3. the child's metric charts
+    browser.get(f"{base}/{child.info.run_id}/model-metrics")
+    _wait_text(browser, "Model metrics", "clip_fraction", "epoch_time_s", "Step")  # charts, alphabetical
+    assert browser.find_elements(By.CSS_SELECTOR, "svg, canvas")
+    browser.save_screenshot(str(shots / "3_child_metrics.png"))
+    # 4. the parent's artifacts: the report's plots listed, one shown
+    browser.get(f"{base}/{parent.info.run_id}/artifacts/report/metric_curves.png")
+    _wait_text(browser, "report", *PLOTS, "report.html", "spec.yaml")
+    images = browser.find_elements(By.CSS_SELECTOR, "img")
+    deadline = time.monotonic() + 30
+    while not any(browser.execute_script("return arguments[0].naturalWidth", i) > 100 for i in images):
+        assert time.monotonic() < deadline, "the plot never rendered"
+        time.sleep(0.5)
         images = browser.find_elements(By.CSS_SELECTOR, "img")
-        deadline = time.monotonic() + 30
-        while not any(browser.execute_script("return arguments[0].naturalWidth", i) > 100 for i in images):
-            assert time.monotonic() < deadline, "the plot never rendered"
-            time.sleep(0.5)
-            images = browser.find_elements(By.CSS_SELECTOR, "img")
-        browser.save_screenshot(str(shots / "4_parent_artifacts.png"))
-    finally:
-        browser.quit()
+    browser.save_screenshot(str(shots / "4_parent_artifacts.png"))
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_report_html_from_disk_in_chromium(sweep):
+def test_report_html_from_disk_in_chromium(sweep, browser):
     from selenium.webdriver.common.by import By
 
     shots = sweep["tmp"] / "screenshots"
@@ -241,19 +255,15 @@ def test_report_html_from_disk_in_chromium(sweep):
     if not html.is_file():  # the rebuild test removed and remade it; either way it is there
         assert main(["report", str(sweep["spec"])]) == 0
     _, parent, children = _runs(sweep["uri"])
-    browser = _browser()
-    try:
-        browser.get(html.as_uri())
-        body = _wait_text(browser, "Trials", "Plots", "Spec", "Baseline (the spec's defaults)")
-        rows = browser.find_elements(By.CSS_SELECTOR, "table#summary tr")
-        assert len(rows) == 1 + len(children)  # header + every trial
-        images = browser.find_elements(By.CSS_SELECTOR, "img")
-        widths = [browser.execute_script("return arguments[0].naturalWidth", i) for i in images]
-        assert len(images) == len(PLOTS) and all(w > 500 for w in widths), widths  # inlined, decoded
-        links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "table#summary a")]
-        assert {c.info.run_id for c in children} <= {h.rsplit("/", 1)[1] for h in links}
-        assert "reference_batch_size" in body  # the resolved spec
-        browser.set_window_size(1600, 4000)
-        browser.save_screenshot(str(shots / "5_report_html.png"))
-    finally:
-        browser.quit()
+    browser.get(html.as_uri())
+    body = _wait_text(browser, "Trials", "Plots", "Spec", "Baseline (the spec's defaults)")
+    rows = browser.find_elements(By.CSS_SELECTOR, "table#summary tr")
+    assert len(rows) == 1 + len(children)  # header + every trial
+    images = browser.find_elements(By.CSS_SELECTOR, "img")
+    widths = [browser.execute_script("return arguments[0].naturalWidth", i) for i in images]
+    assert len(images) == len(PLOTS) and all(w > 500 for w in widths), widths  # inlined, decoded
+    links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "table#summary a")]
+    assert {c.info.run_id for c in children} <= {h.rsplit("/", 1)[1] for h in links}
+    assert "reference_batch_size" in body  # the resolved spec
+    browser.set_window_size(1600, 4000)
+    browser.save_screenshot(str(shots / "5_report_html.png"))
