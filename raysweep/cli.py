@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args.address, args.verbose = getattr(args, "address", None), getattr(args, "verbose", False)  # report has neither
     if not args.address:
         # Ray reads this when first imported: explicit token auth for the local cluster raysweep starts
-        # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with
+        # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with.
+        # Not with --address, even when ~/.ray/auth_token exists: Ray writes one on every local start in
+        # token mode, and a token-mode driver's actors die on a cluster without token auth (tasks still run)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     # Tune's new console engine prints its own boxes even at verbose=0; raysweep prints progress itself
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")

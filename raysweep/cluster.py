@@ -66,9 +66,36 @@ def ray_init_kwargs(worker_start_timeout_s: float = 60, verbose: bool = False) -
     )
 
 
+TOKEN_FIX = ("export RAY_AUTH_MODE=token and put the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN "
+             "(`ray get-auth-token` on the head prints it)")
+
+
+def _join_error(address: str, e: Exception) -> UserError:
+    """The one line for a `ray.init(address=...)` that failed; a token-auth refusal names the token fix."""
+    from ray.exceptions import AuthenticationError
+
+    if isinstance(e, AuthenticationError):  # token mode on, no token here: Ray raises before connecting
+        return UserError(f"--address {address}: RAY_AUTH_MODE=token but this machine has no token; {TOKEN_FIX}")
+    chain, link = [], e
+    while link is not None and len(chain) < 10:
+        chain.append(str(link).lower())
+        link = link.__cause__ or link.__context__
+    # A token-auth GCS refuses a driver that sends no token (RAY_AUTH_MODE unset) or the wrong one: Ray wraps
+    # its "InvalidAuthToken" in a ConnectionError after retrying for ~20 s (Python services say UNAUTHENTICATED)
+    if any("invalidauthtoken" in text or "unauthenticated" in text for text in chain):
+        token_mode = os.environ.get("RAY_AUTH_MODE") == "token"  # Ray sends a token only in token mode
+        sent = "the wrong token" if token_mode else "no token (RAY_AUTH_MODE is not 'token')"
+        return UserError(f"--address {address}: the cluster uses token authentication and this driver sent {sent}; "
+                         f"{TOKEN_FIX}")
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(f"--address {address}: cannot join a Ray cluster there ({reason}); start one with "
+                     f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
+
+
 def connect(address: str | None, config: SweepConfig, verbose: bool) -> bool:
     """Start or join Ray; returns True when this call started it (and so must shut it down)."""
     import ray
+    from ray.exceptions import AuthenticationError
 
     if ray.is_initialized():
         return False
@@ -77,10 +104,8 @@ def connect(address: str | None, config: SweepConfig, verbose: bool) -> bool:
         kwargs.pop("resources")  # a running cluster's resources were set by `ray start` (cluster.yaml)
         try:
             ray.init(address=address, **kwargs)
-        except (ConnectionError, ValueError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--address {address}: cannot join a Ray cluster there ({reason}); start one with "
-                            f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
+        except (ConnectionError, ValueError, AuthenticationError) as e:
+            raise _join_error(address, e) from e
     else:
         ray.init(**kwargs)
     return True

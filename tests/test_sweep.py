@@ -187,6 +187,13 @@ def test_cluster_yaml_passes_rays_own_validation():
     head = " ".join(raw["head_start_ray_commands"])
     assert "trial_driver" in head and "--dashboard-host=127.0.0.1" in head
     assert any('ray[default,train,tune]==2.60.*' in c for c in raw["setup_commands"])
+    # token authentication: every `ray start` runs in token mode, and the token (in ~/.ray, never in the
+    # repository) reaches every node; a head without it is open, a worker without it cannot join
+    starts = [c for c in raw["head_start_ray_commands"] + raw["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2 and all("export RAY_AUTH_MODE=token;" in c.split("ray start")[0] for c in starts)
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    # and the nodes' shells (README's `ray exec ... --address auto`): raysweep sets no mode with --address
+    assert any("export RAY_AUTH_MODE=token" in c and "~/.bashrc" in c for c in raw["initialization_commands"])
 
 
 def test_large_batch_spec_is_the_users_sweep():
