@@ -347,9 +347,8 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
         tmp_path,
         data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
         train={"epochs": 4, "reference_batch_size": 64},
-        search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16},
-                "base_lr": {"loguniform": [1.0e-5, 3.0e-3], "default": 2.0e-3},
-                "warmup_epochs": {"randint": [0, 1], "default": 1}, "weight_decay": 1.0e-4},
+        # four identical trials: the interrupted ones must end exactly as the ones that never were (their twins)
+        search={"per_gpu_batch_size": 16, "base_lr": 2.0e-3, "warmup_epochs": 1, "weight_decay": 1.0e-4},
         # no pruning (grace = max_t): every trial runs 4 epochs, so the kills below find one mid-run
         # (ASHA's memory across a resume is the unit test above)
         tune={"num_samples": 4, "seed": 0, "asha": {"grace_period": 4, "reduction_factor": 2}},
@@ -416,3 +415,11 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
     after = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
     after = [r["epoch"] for r in after if r["timestamp"] >= resumed_at and "epoch" in r]
     assert after and min(after) > 1, after
+    # and it is the trial it would have been: every trial (Ctrl-C'd, SIGKILLed, or never interrupted) has the same
+    # per-epoch losses and the same final weights, bitwise
+    losses = {r.info.run_name: _losses(tmp_path, r) for r in children}
+    assert all(len(v) == 4 for v in losses.values()) and len(set(map(str, losses.values()))) == 1, losses
+    train = tmp_path / "results" / "t" / "train"
+    first, *others = [_final_weights(train, r.info.run_name) for r in children]
+    for run, weights in zip(children[1:], others):
+        _assert_twins(weights, first, f"trial {run.info.run_name}")
