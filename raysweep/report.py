@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html
-import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,6 @@ from raysweep import storage, tracking
 from raysweep.errors import UserError
 from raysweep.metrics import RunRecord, SweepRecord
 from raysweep.noise import Recommendation, recommend
-
-log = logging.getLogger(__name__)
 
 PLOTS = {  # file → what it shows (the HTML's captions)
     "metric_curves.png": "the ranking metric per epoch, one line per trial; × where ASHA pruned, ! where a trial failed",
@@ -180,8 +177,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     else:
         uri = tracking.resolve_tracking_uri(tracking_uri)
         default_out = str(Path("raysweep_report", experiment).resolve())
-    for run_id in tracking.reconcile_orphans(uri):  # a sweep whose driver died is not shown as still running
-        log.warning("MLflow run %s: its sweep's driver is gone; ended FAILED (%s)", run_id, tracking.DRIVER_LOST)
+    tracking.reconcile_orphans(uri)  # a sweep whose driver died is not shown as still running
     record = tracking.load_sweep(uri, experiment)
     report = publish(record, out or default_out)
     console.print_report(report)

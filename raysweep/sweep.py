@@ -108,8 +108,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     name = f"{config.name}-train" if single else config.name
     experiment_path = storage.join(storage_root, name)
     resumed = check_resume(config, tracking_uri, experiment_path, name) if resume else None  # before Ray and data
-    for run_id in tracking.reconcile_orphans(tracking_uri, keep=resumed):
-        log.warning("MLflow run %s: its sweep's driver is gone; ended FAILED (%s)", run_id, tracking.DRIVER_LOST)
+    tracking.reconcile_orphans(tracking_uri, keep=resumed)
 
     started_ray = connect(address, config, verbose)
     parent_run_id, ended = None, False
@@ -213,7 +212,7 @@ def check_resume(config: SweepConfig, tracking_uri: str, experiment_path: str, n
     import yaml
     from ray.tune import Tuner
 
-    from raysweep import tracking
+    from raysweep import drivers, tracking
 
     where = f"storage_path {str(config.storage_path)!r}, name {name!r}"
     if not storage.is_dir(experiment_path):
@@ -231,7 +230,7 @@ def check_resume(config: SweepConfig, tracking_uri: str, experiment_path: str, n
                 f"--resume: the spec differs from the sweep's own (spec.yaml of MLflow run {parent.info.run_id}): "
                 f"{'; '.join(changed)}. Tune resumes the sweep's search space and ASHA as they were, so trials would "
                 f"run another spec: undo the change, or start a new sweep (another name)")
-    if parent.info.status == "RUNNING" and tracking.driver_alive(parent.data.tags):
+    if parent.info.status == "RUNNING" and drivers.driver_alive(parent.data.tags):
         tags = parent.data.tags
         raise UserError(f"--resume: this sweep's driver still runs (pid {tags['raysweep.driver.pid']} on "
                         f"{tags['raysweep.driver.host']}); stop it first (Ctrl-C), or wait for it")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
+from raysweep import drivers
 from raysweep.errors import UserError
 from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
 
@@ -56,7 +56,7 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
         db = sqlite_path(tracking_uri)
         location = (db.parent / "mlartifacts" / experiment).as_uri() if db else None
         experiment_id = client.create_experiment(experiment, artifact_location=location)
-    run = client.create_run(experiment_id, run_name=run_name, tags={**tags, **driver_tags()})
+    run = client.create_run(experiment_id, run_name=run_name, tags={**tags, **drivers.driver_tags()})
     client.log_text(run.info.run_id, spec_text, "spec.yaml")
     return experiment_id, run.info.run_id
 
@@ -96,7 +96,7 @@ def resumed_parent(tracking_uri: str, parent_run_id: str) -> None:
 
     client = MlflowClient(tracking_uri)
     reopen(client, parent_run_id)
-    _set_tags(client, parent_run_id, driver_tags())
+    _set_tags(client, parent_run_id, drivers.driver_tags())
 
 
 def reopen(client, run_id: str) -> None:
@@ -109,50 +109,14 @@ def reopen(client, run_id: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Where a sweep's driver lives, and the sweeps whose driver is gone. A driver SIGKILLed, or terminated by Ray when
-# its GCS died, ends nothing: its runs would stay RUNNING. Every sweep records its driver (host, pid, the process's
-# start time) and refreshes a heartbeat on its parent run; the next raysweep command on the store ends the runs
-# of a dead driver FAILED (`error: driver lost`): on this host at once when the process is gone, elsewhere when the
-# heartbeat is older than STALE_AFTER_S.
-
-HEARTBEAT_EVERY_S = 30.0
-STALE_AFTER_S = 300.0
-DRIVER_LOST = "driver lost"
-
-
-def driver_tags() -> dict[str, str]:
-    import socket
-
-    import psutil
-
-    return {"raysweep.driver.host": socket.gethostname(), "raysweep.driver.pid": str(os.getpid()),
-            "raysweep.driver.started": repr(psutil.Process().create_time()),
-            "raysweep.heartbeat": repr(time.time())}
-
-
-def driver_alive(tags: dict, now: float | None = None) -> bool | None:
-    """Whether the driver named in a parent run's tags still runs; None: the run names none (an older sweep)."""
-    import socket
-
-    import psutil
-
-    host = tags.get("raysweep.driver.host")
-    if host is None:
-        return None
-    if host == socket.gethostname():
-        try:
-            process = psutil.Process(int(tags["raysweep.driver.pid"]))
-            return abs(process.create_time() - float(tags["raysweep.driver.started"])) < 1.0  # not a reused pid
-        except (psutil.NoSuchProcess, KeyError, ValueError):
-            return False
-    return (now or time.time()) - float(tags.get("raysweep.heartbeat", 0)) < STALE_AFTER_S
+# The sweeps whose driver is gone (drivers.py says how a driver is recorded and judged)
 
 
 class Heartbeat:
     """Refreshes the parent run's `raysweep.heartbeat` every HEARTBEAT_EVERY_S while the sweep runs (a thread
     of its own, with a client of its own; a failed write is logged and retried at the next beat)."""
 
-    def __init__(self, tracking_uri: str, run_id: str, every_s: float = HEARTBEAT_EVERY_S):
+    def __init__(self, tracking_uri: str, run_id: str, every_s: float = drivers.HEARTBEAT_EVERY_S):
         import threading
 
         self.tracking_uri, self.run_id, self.every_s = tracking_uri, run_id, every_s
@@ -195,8 +159,10 @@ def reconcile_orphans(tracking_uri: str, keep: str | None = None) -> list[str]:
     for run in client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'", max_results=10_000):
         if run.info.run_id == keep or "mlflow.parentRunId" in run.data.tags:
             continue
-        if driver_alive(run.data.tags) is False:
-            end_sweep(tracking_uri, run.info.run_id, "FAILED", error=DRIVER_LOST)
+        if drivers.driver_alive(run.data.tags) is False:
+            end_sweep(tracking_uri, run.info.run_id, "FAILED", error=drivers.DRIVER_LOST)
+            log.warning("MLflow run %s (%s): its sweep's driver is gone; ended FAILED (%s)", run.info.run_id,
+                        run.info.run_name, drivers.DRIVER_LOST)
             ended.append(run.info.run_id)
     return ended
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import tiny_spec, write_spec
-from raysweep import storage, tracking
+from raysweep import drivers, storage, tracking
 from raysweep.cli import main
 from raysweep.config import load_config, spec_yaml
 
@@ -88,7 +88,7 @@ def test_runs_whose_driver_is_gone_are_ended_by_the_next_command_on_the_store(tm
     dead = _dead_pid()
     uri, _, lost_here, lost_child = _open_sweep(tmp_path, spec, **{"raysweep.driver.pid": str(dead)})
     _, _, alive_here, alive_child = _open_sweep(tmp_path, spec)  # this process: alive
-    stale = time.time() - tracking.STALE_AFTER_S - 60
+    stale = time.time() - drivers.STALE_AFTER_S - 60
     _, _, lost_there, _ = _open_sweep(tmp_path, spec, **{"raysweep.driver.host": "elsewhere",
                                                         "raysweep.heartbeat": repr(stale)})
     _, _, beating_there, _ = _open_sweep(tmp_path, spec, **{"raysweep.driver.host": "elsewhere"})
@@ -96,7 +96,7 @@ def test_runs_whose_driver_is_gone_are_ended_by_the_next_command_on_the_store(tm
     client = _client(uri)
     for run_id in (lost_here, lost_child, lost_there):
         run = client.get_run(run_id)
-        assert (run.info.status, run.data.tags.get("error")) == ("FAILED", tracking.DRIVER_LOST), run_id
+        assert (run.info.status, run.data.tags.get("error")) == ("FAILED", drivers.DRIVER_LOST), run_id
     for run_id in (alive_here, alive_child, beating_there):
         assert client.get_run(run_id).info.status == "RUNNING"  # a live driver's runs are left alone
 
