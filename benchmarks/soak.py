@@ -226,6 +226,9 @@ def main() -> int:
                 duplicates += len(steps) - len(set(steps))
                 lost += len(set(range(1, max(steps, default=0) + 1)) - set(steps))
         statuses = {s: sum(r.info.status == s for r in children) for s in ("FINISHED", "KILLED", "FAILED")}
+        for r in children:
+            if r.info.status == "FAILED":
+                print(f"failed: {r.info.run_name}: {r.data.tags.get('error', '(no error tag)')[:600]}")
         print(f"soak: exit {code}, {wall:.0f} s, {len(names)} trials ({statuses}), {worker_kills} worker kills, "
               f"{drivers - 1} driver kills + resumes, not terminal: {not_terminal or 'none'}")
         if restart_s:
