@@ -23,6 +23,9 @@ AWS_TEST_ENV = {
 for _key in [k for k in os.environ if k.startswith("AWS_")]:
     del os.environ[_key]
 os.environ.update(AWS_TEST_ENV)
+# Ray fixes its auth mode for the process when first imported: import it now, with the environment above, so
+# that no test that changes RAY_AUTH_MODE (test_auth.py) decides it for the session's cluster
+import ray  # noqa: E402, F401
 
 from pathlib import Path  # noqa: E402
 
