@@ -128,8 +128,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         del data
         if resumed:
             console.print_resumed(resume_summary(experiment_path, num_samples))
-            tracking.resumed_parent(tracking_uri, resumed)
-            experiment_id, parent_run_id = tracking.experiment_of(tracking_uri, resumed), resumed
+            experiment_id, parent_run_id = tracking.resumed_parent(tracking_uri, resumed), resumed
         else:
             experiment_id, parent_run_id = tracking.open_sweep(
                 tracking_uri, config.experiment_name, run_name=f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}",

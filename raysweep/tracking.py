@@ -76,12 +76,6 @@ def find_parent(tracking_uri: str, experiment_path: str):
     return runs[0]
 
 
-def experiment_of(tracking_uri: str, run_id: str) -> str:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
-
-
 def spec_of(tracking_uri: str, run_id: str) -> str | None:
     """The spec.yaml a sweep logged on its parent run (None for a run without one)."""
     from mlflow.tracking import MlflowClient
@@ -89,23 +83,26 @@ def spec_of(tracking_uri: str, run_id: str) -> str | None:
     return _artifact_text(MlflowClient(tracking_uri), run_id, "spec.yaml")
 
 
-def resumed_parent(tracking_uri: str, parent_run_id: str) -> None:
+def resumed_parent(tracking_uri: str, parent_run_id: str) -> str:
     """Take a sweep's parent run over for `--resume` (checked before by sweep.check_resume): RUNNING again, with
-    this driver's address and heartbeat."""
+    this driver's address and heartbeat. Returns its experiment id."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    reopen(client, parent_run_id)
+    run = reopen(client, parent_run_id)
     _set_tags(client, parent_run_id, drivers.driver_tags())
+    return run.info.experiment_id
 
 
-def reopen(client, run_id: str) -> None:
-    """RUNNING again, without the marks of how it ended (a resumed sweep's parent, a resumed trial's run)."""
-    tags = client.get_run(run_id).data.tags
+def reopen(client, run_id: str):
+    """RUNNING again, without the marks of how it ended (a resumed sweep's parent, a resumed trial's run);
+    returns the run as it was."""
+    run = client.get_run(run_id)
     for key in ("error", "interrupted"):
-        if key in tags:
+        if key in run.data.tags:
             client.delete_tag(run_id, key)
     client.update_run(run_id, status="RUNNING")
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,8 +165,8 @@ def reconcile_orphans(tracking_uri: str, keep: str | None = None) -> list[str]:
 
 
 def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | None = None) -> None:
-    """End a sweep that did not finish: its RUNNING children (KILLED + interrupted for a Ctrl-C, else FAILED) and
-    the parent, with `error` (the cause) as a tag on each; the children that ended keep their verdict."""
+    """End a sweep with `status`, and its children still RUNNING: FAILED with it, else KILLED + interrupted (a
+    resume sets them RUNNING again); `error` (the cause) as a tag on each. Children that ended keep their verdict."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
