@@ -20,6 +20,8 @@ from raysweep.worker.faults import TrialFailure
 from raysweep.worker.reduce import gather_strings
 from raysweep.worker.run import CHECKPOINT_FILE, TrainingRun
 
+log = logging.getLogger(__name__)
+
 
 def train_worker(config: dict) -> None:
     """Every rank; `config` = {"trial": TrialConfig dict, "data": ObjectRef, "failure_file", "compile_cache": the
@@ -79,9 +81,9 @@ def load_state(checkpoint, device: torch.device) -> dict | None:
             with candidate.as_directory() as d:
                 return torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
         except Exception as e:  # torn: EOFError, RuntimeError (zip), UnpicklingError, FileNotFoundError
-            logging.getLogger(__name__).warning("checkpoint %s cannot be read (%s: %s); trying the one before it",
-                                                candidate.path, type(e).__name__, e)
-    logging.getLogger(__name__).warning("no readable checkpoint under %s: the trial starts over", run_dir)
+            log.warning("checkpoint %s cannot be read (%s: %s); trying the one before it", candidate.path,
+                        type(e).__name__, e)
+    log.warning("no readable checkpoint under %s: the trial starts over", run_dir)
     return None
 
 
