@@ -177,7 +177,9 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
 def failure_path(storage_path: str, name: str) -> str:
     """Where rank 0 leaves an agreed failure for the trial function (the run's own directory, on the
     run's storage: a local folder, NFS or s3://, through the same pyarrow layer as Ray's checkpoints)."""
-    return storage.join(storage_path, name, "raysweep_failure.json")
+    from raysweep.worker.entry import FAILURE_FILE
+
+    return storage.join(storage_path, name, FAILURE_FILE)
 
 
 def read_failure(location: str) -> tuple[str, str] | None:
@@ -189,7 +191,6 @@ def read_failure(location: str) -> tuple[str, str] | None:
     return data["kind"], data["message"]
 
 
-KEPT_CHECKPOINTS = 2
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run's folder
 
 
@@ -224,14 +225,19 @@ def recover_torn_snapshot(run_dir: str) -> str | None:
 
 
 def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
-                 worker_fn=None, extra_config: dict | None = None, compile_cache: str | None = None):
+                 worker_fn=None, extra_config: dict | None = None, compile_cache: str | None = None,
+                 max_failures: int | None = None):
     """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
 
     `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint (also when a
     kill cut Ray Train's checkpoint list short: `recover_torn_snapshot`). `compile_cache`: the sweep's compile
     cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`) must point Inductor at it.
+    `max_failures`: group restarts Ray Train may make (None: the trial's `train.max_failures`; a warm slot's
+    trainer passes -1, unlimited, and the broker counts each trial's, slots.py).
     """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+
+    from raysweep.worker.run import KEPT_CHECKPOINTS
 
     if worker_fn is None:
         from raysweep.worker.entry import train_worker as worker_fn
@@ -255,7 +261,9 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
             checkpoint_config=CheckpointConfig(num_to_keep=KEPT_CHECKPOINTS),
             # worker crashes restart from the last checkpoint; a group that cannot start is retried
             # once, so the wait is bounded by 2 × worker_start_timeout_s
-            failure_config=FailureConfig(max_failures=trial.train.max_failures, controller_failure_limit=1),
+            failure_config=FailureConfig(
+                max_failures=trial.train.max_failures if max_failures is None else max_failures,
+                controller_failure_limit=1),
             logging_config=LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": env if env is not None else worker_env(compile_cache)},
         ),

@@ -10,7 +10,7 @@ import time
 from datetime import datetime
 
 from raysweep.config import SweepConfig
-from raysweep.metrics import TrialView
+from raysweep.metrics import STARTUP_NAMES, STARTUP_PHASES, TrialView
 
 
 def fmt(value, spec: str = ".4g") -> str:
@@ -55,8 +55,7 @@ class ConsoleProgress:
 
     def __init__(self, config: SweepConfig, train_size: int, every_s: float = 30.0, per_epoch: bool = False):
         self.config, self.train_size, self.every_s, self.per_epoch = config, train_size, every_s, per_epoch
-        self.started: dict[str, float] = {}
-        self.first_report_s: dict[str, float] = {}
+        self.startups: dict[str, dict] = {}  # trial id → startup_s and its phases (metrics.STARTUP_NAMES)
         self.last_table = time.monotonic()
 
     def row(self, view: TrialView) -> list[str]:
@@ -73,7 +72,6 @@ class ConsoleProgress:
 
     # Tune callback hooks (the console callback forwards to these)
     def trial_start(self, view: TrialView) -> None:
-        self.started.setdefault(view.trial_id, time.monotonic())
         if not self.per_epoch:
             t = self.config.trial(view.config, self.train_size)
             baseline = " (baseline: the spec's defaults)" if self.config.is_baseline(view.config) else ""
@@ -83,8 +81,10 @@ class ConsoleProgress:
                   flush=True)
 
     def trial_result(self, trial_id: str, result: dict) -> None:
-        if trial_id not in self.first_report_s and trial_id in self.started:
-            self.first_report_s[trial_id] = time.monotonic() - self.started[trial_id]
+        if "startup_s" in result and trial_id not in self.startups:
+            self.startups[trial_id] = {k: float(result[k]) for k in STARTUP_NAMES if k in result}
+            line = startup_line(self.startups[trial_id])
+            print(line if self.per_epoch else f"[{now()}] up     {trial_id}: {line}", flush=True)
         if self.per_epoch:
             print(epoch_line(result, self.config.train.epochs), flush=True)
 
@@ -225,8 +225,28 @@ def make_console_callback(progress: ConsoleProgress):
     return ConsoleCallback()
 
 
+def startup_line(phases: dict) -> str:
+    """A trial's start-up: trial start → first training step, and where it went (metrics.STARTUP_PHASES)."""
+    parts = " · ".join(f"{name.removeprefix('startup_').removesuffix('_s')} {phases.get(name, 0):.1f}"
+                       for name, _ in STARTUP_PHASES)
+    return f"started in {phases['startup_s']:.1f}s ({parts})"
+
+
+def print_busy(busy: float, wall_s: float, slots: int, startups: dict[str, dict]) -> None:
+    """Every sweep's last figures: the share of its slot-seconds spent training, and its trials' start-up."""
+    line = (f"busy {busy:.0%}: {slots} slot{'s' if slots > 1 else ''} × {wall_s:.0f}s of wall time, "
+            f"{busy * wall_s * slots:.0f}s of it training and evaluating")
+    warm = sorted(p["startup_s"] for p in startups.values() if not p.get("startup_group_s"))
+    cold = sorted(p["startup_s"] for p in startups.values() if p.get("startup_group_s"))
+    starts = [f"{len(group)} on {kind} groups, median {group[len(group) // 2]:.1f}s"
+              for kind, group in (("new", cold), ("warm", warm)) if group]
+    if starts:
+        line += f"; trial start → first step: {'; '.join(starts)}"
+    print(line)
+
+
 def print_train_summary(config: SweepConfig, best: TrialView | None, train_size: int, wall_s: float,
-                        first_report_s: float | None) -> None:
+                        startup: dict | None = None) -> None:
     """`train`'s closing line: the run's final figures."""
     if best is None:
         return
@@ -235,8 +255,8 @@ def print_train_summary(config: SweepConfig, best: TrialView | None, train_size:
             f"peak LR {trial.peak_lr:.2e}; final train_loss {m['train_loss']:.4f}, val_loss {m['val_loss']:.4f}, "
             f"val_exact_acc {m['val_exact_acc']:.3f}, val_char_acc {m['val_char_acc']:.3f}; "
             f"{m['samples_per_s']:,.0f} samples/s (last epoch)")
-    if first_report_s is not None:
-        line += f"; first epoch reported {first_report_s:.1f}s after the trial started"
+    if startup:
+        line += f"; {startup_line(startup)}"
     print(line)
 
 

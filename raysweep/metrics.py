@@ -51,6 +51,32 @@ class WorkerParams:
     nodes: str  # Ray node ids of the trial's workers, by rank, comma-separated (one machine's raylets share an IP)
 
 
+# A trial's start-up, from Tune starting it to its first training step (sweep.run_trial, worker/entry.slot_worker):
+# wall-clock stamps taken in this order, each phase named by the stamp that ends it. On a warm group the group and
+# data phases take no time: their stamps are the moment the slot took the trial. Logged with the first epoch.
+STARTUP_PHASES = (
+    ("startup_driver_s", "relay_started"),  # Tune's trial actor up and running the trial function
+    ("startup_wait_s", "slot_asked"),  # for a slot: a warm one to finish its epoch, or Ray Train asked for a group
+    ("startup_group_s", "group_started"),  # placement group, worker processes, imports, process group (NCCL/gloo)
+    ("startup_data_s", "data_ready"),  # the device set up, the data from the object store onto the device
+    ("startup_model_s", "model_ready"),  # model, optimizer and schedule built, the trial's checkpoint restored
+    ("startup_probe_s", "probed"),  # the OOM probe step (and with it, a compiled step's first compile)
+)
+STARTUP_NAMES = ("startup_s", *(name for name, _ in STARTUP_PHASES))  # startup_s: trial start → first step
+
+
+def startup_phases(stamps: dict[str, float]) -> dict[str, float]:
+    """`startup_s` = stamps["probed"] − stamps["trial_started"], and each phase's seconds: its stamp minus the one
+    before (they sum to startup_s). Stamps come from several processes (and machines): a phase that two clocks
+    make negative by a little counts as 0, and the next one is measured from the later stamp."""
+    phases, previous = {}, stamps["trial_started"]
+    for name, stamp in STARTUP_PHASES:
+        phases[name] = max(0.0, stamps[stamp] - previous)
+        previous = max(previous, stamps[stamp])
+    phases["startup_s"] = sum(phases.values())
+    return phases
+
+
 METRIC_NAMES = tuple(f.name for f in fields(EpochMetrics))
 WORKER_PARAMS = tuple(f.name for f in fields(WorkerParams))
 # the metrics a sweep can rank by, each with the direction that is better (`tune.mode` must agree)

@@ -104,6 +104,13 @@ def write_bytes(location: str, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def delete_dir(location: str) -> None:
+    """Remove a folder (or every object under a prefix) if it is there."""
+    if exists(location):
+        fs, path = _fs(location)
+        fs.delete_dir(path)
+
+
 def delete(location: str) -> None:
     """Remove a file if it is there."""
     if exists(location):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -47,39 +48,97 @@ class SweepContext:
     """What every trial needs from the driver; travels once via `tune.with_parameters`."""
 
     config: SweepConfig
-    data_ref: Any  # ObjectRef of data.CaptchaData: decoded once per sweep, zero-copy on each node
     train_size: int
-    train_storage: str  # absolute folder or URI: Train runs live at <storage>/<name>/train/trial-<id>
-    worker_env: dict  # captured in the driver: trial actors do not see the driver's environment
+    train_storage: str  # absolute folder or URI: each trial's folder is <storage>/<name>/train/trial-<id>
+    broker: Any  # the sweep's slots.Broker actor: trials run on its warm worker groups
     batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
-    compile_cache: str | None = None  # <storage>/<name>/compile_cache: every trial's compiles (worker/compile_cache.py)
+    decision_epochs: tuple[int, ...] = ()  # where the scheduler may stop a trial (decision_epochs())
 
 
 def run_trial(knobs: dict, context: SweepContext) -> None:
-    """Tune function trainable: a TorchTrainer for this trial's knobs, named by the trial id."""
+    """Tune function trainable: hands the trial to a warm worker group (slots.py) and relays each epoch's report to
+    Tune, where ASHA judges it; ends as the trial ended (an agreed failure, restarts spent: TrialFailed)."""
+    import ray
     from ray import tune
-    from ray.train import TrainingFailedError
-    from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raysweep.cluster import failure_path, make_trainer, read_failure
+    from raysweep.cluster import failure_path, read_failure
 
+    relay_started = time.time()
     trial_id = tune.get_context().get_trial_id()
     trial = context.config.trial(knobs, context.train_size, context.batch_cap)
-    # the name must come from the trial id: an existing (storage, name) resumes from its checkpoint
+    # the folder comes from the trial id: a trial run again (restart, --resume) continues from its checkpoint there
     name = f"trial-{trial_id}"
     marker = failure_path(context.train_storage, name)
     storage.delete(marker)  # a restored trial tries again
-    trainer = make_trainer(trial, context.data_ref, context.train_storage, name, [TuneReportCallback()],
-                           env=context.worker_env, compile_cache=context.compile_cache)
-    try:
-        trainer.fit()
-    except TrainingFailedError as e:
-        if "OutOfMemoryError" in str(e):  # an OOM after the start-up probe: the same ending, retries spent
-            raise TrialFailed(f"OOM at per-GPU batch {trial.knobs.per_gpu_batch_size} during training") from e
-        raise
+    broker = context.broker
+    seq = ray.get(broker.submit.remote(trial_id, trial.to_dict(), storage.join(context.train_storage, name),
+                                       trial.train.max_failures, context.decision_epochs))
+    since = 0
+    while True:
+        out = ray.get(broker.poll.remote(trial_id, seq, since))
+        for i, metrics in enumerate(out["reports"], start=since):
+            if i == out["timeline_at"]:  # the first epoch: how long the trial took to start (SweepClock)
+                metrics = {**metrics, STARTUP_STAMPS: json.dumps({**out["timeline"], "relay_started": relay_started})}
+            tune.report(metrics)  # returns once Tune has let the trial go on (a stop ends this process's trial here)
+            broker.ack.remote(trial_id, seq, i + 1)
+        since += len(out["reports"])
+        if out["done"]:
+            break
     failure = read_failure(marker)
     if failure is not None:  # agreed by every rank (OOM past the downshifts, divergence)
         raise TrialFailed(failure[1])
+    if out["failure"]:
+        if "OutOfMemoryError" in out["failure"]:  # an OOM after the start-up probe: the same ending, retries spent
+            raise TrialFailed(f"OOM at per-GPU batch {trial.knobs.per_gpu_batch_size} during training "
+                              f"({out['failure']})")
+        raise TrialFailed(out["failure"])
+
+
+STARTUP_STAMPS = "startup_stamps"  # the first report's start-up stamps (JSON), turned into metrics by SweepClock
+
+
+def make_sweep_clock(experiment_path: str):
+    """The first of the sweep's Tune callbacks, on the driver: stamps each trial's start, turns the stamps its
+    first report carries into `startup_s` and its phases (metrics.startup_phases; the callbacks after it log and
+    print them), and tells the broker when Tune ended a trial (ASHA's stop, an error), so its slot stops at the
+    epoch's end and takes the next trial.
+
+    It finds the broker by the sweep's folder rather than holding it: Tune pickles callbacks with the experiment,
+    and a resumed sweep's restored callback must find the new driver's broker (slots.active).
+    """
+    from ray.tune import Callback
+
+    from raysweep.metrics import startup_phases
+
+    class SweepClock(Callback):
+        def __init__(self):
+            self.experiment_path = experiment_path
+            self.started: dict[str, float] = {}
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            self.started[trial.trial_id] = time.time()
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            stamps = result.pop(STARTUP_STAMPS, None)
+            if stamps is not None:
+                stamps = json.loads(stamps)
+                stamps["trial_started"] = self.started.get(trial.trial_id, stamps["relay_started"])
+                result.update(startup_phases(stamps))
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._end(trial)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._end(trial)
+
+        def _end(self, trial):
+            from raysweep import slots
+
+            broker = slots.active(self.experiment_path)
+            if broker is not None:
+                broker.end.remote(trial.trial_id)
+
+    return SweepClock()
 
 
 class TrialFailed(RuntimeError):
@@ -98,7 +157,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     `error` tag; Ctrl-C ends them KILLED + `interrupted`; a driver killed outright is found by the next command
     on the store (tracking.reconcile_orphans).
     """
-    from raysweep import console, tracking
+    from raysweep import console, slots, tracking
     from raysweep.cluster import connect, plan_concurrency, worker_env
     from raysweep.data import load_data
 
@@ -111,7 +170,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     tracking.reconcile_orphans(tracking_uri, keep=resumed)
 
     started_ray = connect(address, config, verbose)
-    parent_run_id, ended = None, False
+    parent_run_id, ended, broker = None, False, None
     try:
         import ray
 
@@ -123,8 +182,15 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         console.print_data(data, config)
         config.check_data_fits(len(data.train), batch_cap, searched=not single)  # before any trial starts
         compile_cache = storage.join(experiment_path, "compile_cache")
-        context = SweepContext(config, ray.put(data), len(data.train), storage.join(experiment_path, "train"),
-                               worker_env(compile_cache), batch_cap, compile_cache)
+        broker = slots.open_broker(experiment_path, plan.trials_at_once, slots.SlotPlan(
+            ray.put(data), storage.join(experiment_path, "slots"), worker_env(compile_cache), compile_cache,
+            ray.get_runtime_context().get_node_id()))
+        # the groups start building now, while MLflow opens and Tune starts (every trial of a spec has its scaling)
+        broker.prewarm.remote(config.trial(config.default_knobs(), len(data.train), batch_cap).to_dict(),
+                              min(plan.trials_at_once, num_samples))
+        scheduler = None if single else asha(config)
+        context = SweepContext(config, len(data.train), storage.join(experiment_path, "train"), broker, batch_cap,
+                               decision_epochs(scheduler, config))
         del data
         if resumed:
             console.print_resumed(resume_summary(experiment_path, num_samples))
@@ -137,12 +203,15 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
                 spec_text=spec_yaml(config))
         with tracking.Heartbeat(tracking_uri, parent_run_id):
             progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
-            callbacks = [tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config,
+            callbacks = [make_sweep_clock(experiment_path),  # first: the others log what it adds
+                         tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config,
                                                        context.train_size),
                          console.make_console_callback(progress)]
             results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
-                             callbacks).fit()
+                             callbacks, scheduler).fit()
         wall_s = time.monotonic() - t_start
+        busy = busy_share(ray.get(broker.state.remote())["busy_s"], wall_s, plan.trials_at_once)
+        tracking.log_sweep_figures(tracking_uri, parent_run_id, {"busy_share": busy, "sweep_wall_s": wall_s})
         if results.num_terminated + results.num_errors < num_samples:
             # Ctrl-C: Tune stopped the trials and saved the experiment; mark the runs, then say how to resume
             tracking.end_sweep(tracking_uri, parent_run_id, "KILLED")
@@ -164,10 +233,12 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         tracking.close_sweep(tracking_uri, parent_run_id, best, config.tune.metric, "FINISHED" if ranked else "FAILED")
         ended = True
         if single:
-            first = min(progress.first_report_s.values(), default=None)
-            console.print_train_summary(config, ranked[0] if ranked else None, context.train_size, wall_s, first)
+            top = ranked[0] if ranked else None
+            console.print_train_summary(config, top, context.train_size, wall_s,
+                                        progress.startups.get(top.trial_id) if top else None)
         else:
             console.print_sweep_summary(config, views, built, wall_s)
+        console.print_busy(busy, wall_s, plan.trials_at_once, progress.startups)
         ui, link = tracking.runs_link(tracking_uri, experiment_id, None if single else parent_run_id,
                                       config.tune.metric, config.tune.mode)
         console.print_where(experiment_path, tracking_uri, config.experiment_name, experiment_id, ui, link,
@@ -183,10 +254,18 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
                 log.error("could not end MLflow run %s: %s", parent_run_id, mlflow_error)
         raise
     finally:
+        if broker is not None:
+            slots.close_broker(experiment_path)
         if started_ray:
             import ray
 
             ray.shutdown()
+
+
+def busy_share(busy_s: float, wall_s: float, slots: int) -> float:
+    """The share of the sweep's slot-seconds (wall time × concurrency) its workers spent training and evaluating
+    (busy_s: every epoch's epoch_time_s); the rest went to start-up, waiting and bookkeeping."""
+    return busy_s / max(wall_s * slots, 1e-9)
 
 
 def _cause(e: BaseException) -> str:
@@ -259,13 +338,11 @@ class ResumeSummary:
 
 def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
     """What `--resume` will find (read before Tune restores it): Tune's saved trial states, and for each
-    unfinished trial the epoch of its last Train checkpoint, where it continues (Tune's state, saved every
-    few seconds, can trail it, or hold no result for a trial that did train)."""
-    import json
-
+    unfinished trial the epoch of its newest checkpoint, where it continues (Tune's state, saved every few
+    seconds, can trail it, or hold no result for a trial that did train)."""
     from ray.tune import ExperimentAnalysis
 
-    from raysweep.cluster import SNAPSHOT_FILE
+    from raysweep.worker.entry import last_checkpoint_epoch
 
     trials = ExperimentAnalysis(experiment_path).trials
     ended = [t for t in trials if t.status in ("TERMINATED", "ERROR")]
@@ -273,12 +350,7 @@ def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
     for t in trials:
         if t in ended:
             continue
-        snapshot = storage.read_text(storage.join(experiment_path, "train", f"trial-{t.trial_id}", SNAPSHOT_FILE))
-        try:
-            latest = (json.loads(snapshot).get("latest_checkpoint_result") or {}) if snapshot else {}
-        except ValueError:  # cut short by a kill: the trial resumes anyway (cluster.recover_torn_snapshot)
-            latest = {}
-        epoch = int((latest.get("metrics") or {}).get("epoch", 0) or (t.last_result or {}).get("epoch", 0))
+        epoch = last_checkpoint_epoch(storage.join(experiment_path, "train", f"trial-{t.trial_id}"))
         if epoch:  # a trial stopped by Ctrl-C is saved PENDING, but it has trained: it continues too
             running.append((t.trial_id, epoch))
     return ResumeSummary(len(ended), running, num_samples - len(ended) - len(running))
@@ -336,9 +408,30 @@ def resolve_batch_cap(config: SweepConfig, cap_batch: int | None) -> int | None:
     return cap
 
 
-def _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks):
-    from ray import tune
+def asha(config: SweepConfig):
+    """The sweep's ASHA scheduler."""
     from ray.tune.schedulers import ASHAScheduler
+
+    a = config.tune.asha
+    return ASHAScheduler(
+        time_attr="epoch",  # worker-reported: Tune's training_iteration restarts at 1 after a restore
+        max_t=config.max_t, grace_period=a.grace_period, reduction_factor=a.reduction_factor,
+    )
+
+
+def decision_epochs(scheduler, config: SweepConfig) -> tuple[int, ...]:
+    """The epochs after which `scheduler` may stop a trial: ASHA's rungs (its one bracket's milestones) and max_t
+    where it comes before the last epoch. Between them it always lets a trial go on (slots.Broker.report)."""
+    if scheduler is None:
+        return ()
+    rungs = {int(milestone) for bracket in scheduler._brackets for milestone, _ in bracket._rungs}
+    if config.max_t < config.train.epochs:
+        rungs.add(config.max_t)
+    return tuple(sorted(rungs))
+
+
+def _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks, scheduler):
+    from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from raysweep.cluster import TRIAL_DRIVER
@@ -352,7 +445,7 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage_root,
         return tune.Tuner.restore(experiment_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
     t = config.tune
     if single:
-        param_space, scheduler, search_alg = config.default_knobs(), None, None
+        param_space, search_alg = config.default_knobs(), None
     else:
         param_space = search_space(config)
         defaults = config.default_knobs()
@@ -364,10 +457,6 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage_root,
         # trials then wait for workers until they time out
         search_alg = BasicVariantGenerator(points_to_evaluate=first, random_state=t.seed,
                                            max_concurrent=plan.trials_at_once)
-        scheduler = ASHAScheduler(
-            time_attr="epoch",  # worker-reported: Tune's training_iteration restarts at 1 after a restore
-            max_t=config.max_t, grace_period=t.asha.grace_period, reduction_factor=t.asha.reduction_factor,
-        )
         callbacks = [*callbacks, make_rung_keeper(scheduler)]
     return tune.Tuner(
         trainable,
@@ -375,6 +464,8 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage_root,
         tune_config=tune.TuneConfig(
             metric=t.metric, mode=t.mode, num_samples=1 if single else t.num_samples, scheduler=scheduler,
             search_alg=search_alg, max_concurrent_trials=None if search_alg else plan.trials_at_once,
+            # the next trial starts in the actor the last one ended in (no new process: the gap between trials)
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(name=name, storage_path=storage_root, callbacks=callbacks, verbose=0),
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from raysweep import drivers
 from raysweep.errors import UserError
-from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
+from raysweep.metrics import METRIC_NAMES, STARTUP_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             last = self.logged.get(trial.trial_id, 0)
             if step <= last:  # reported again after a restart: MLflow already holds this epoch
                 return
-            metrics = [Metric(k, float(result[k]), now, step) for k in METRIC_NAMES if k in result]
+            metrics = [Metric(k, float(result[k]), now, step) for k in (*METRIC_NAMES, *STARTUP_NAMES) if k in result]
             params = []
             if last == 0:  # known only on the workers (after their start-up probe step)
                 params = [Param(k, str(result[k])) for k in WORKER_PARAMS if k in result]
@@ -317,6 +317,16 @@ def failure_kind(error_line: str) -> str | None:
     if "diverged" in error_line:
         return "diverged"
     return None
+
+
+def log_sweep_figures(tracking_uri: str, parent_run_id: str, figures: dict[str, float]) -> None:
+    """Figures of the sweep as a whole (busy_share, wall_s, …) on the parent run; a resumed sweep logs its own
+    driver's again (the latest value is the last run's)."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    now = int(time.time() * 1000)
+    MlflowClient(tracking_uri).log_batch(parent_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in figures.items()])
 
 
 def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric: str, status: str) -> None:

@@ -147,7 +147,7 @@ def test_one_rule_for_finished_pruned_failed(epoch, errored, expected):
     assert TrialView.of_trial(Trial(), 6).status == "running"
 
 
-def test_train_summary_is_printed_without_a_first_report_time(tmp_path, capsys):
+def test_train_summary_is_printed_without_a_startup(tmp_path, capsys):
     """Bug: the conditional at the end of an implicitly joined f-string blanked the whole line."""
     from conftest import tiny_spec, write_spec
     from raysweep.config import load_config
@@ -160,6 +160,9 @@ def test_train_summary_is_printed_without_a_first_report_time(tmp_path, capsys):
     best = TrialView("t1", "finished", config.default_knobs(), last)
     print_train_summary(config, best, 192, 12.0, None)
     line = capsys.readouterr().out.strip()
-    assert line.startswith("summary: 3 epochs in 12s; global batch 32") and "first epoch" not in line
-    print_train_summary(config, best, 192, 12.0, 9.5)
-    assert capsys.readouterr().out.strip().endswith("first epoch reported 9.5s after the trial started")
+    assert line.startswith("summary: 3 epochs in 12s; global batch 32") and "started in" not in line
+    phases = {"startup_s": 9.5, "startup_driver_s": 0.5, "startup_wait_s": 0.0, "startup_group_s": 7.0,
+              "startup_data_s": 0.5, "startup_model_s": 0.5, "startup_probe_s": 1.0}
+    print_train_summary(config, best, 192, 12.0, phases)
+    assert capsys.readouterr().out.strip().endswith(
+        "started in 9.5s (driver 0.5 · wait 0.0 · group 7.0 · data 0.5 · model 0.5 · probe 1.0)")

@@ -284,12 +284,12 @@ def test_raysweeps_own_files_are_never_seen_half_written(tmp_path):
 
 
 def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    """Ray Train keeps two checkpoints (cluster.KEPT_CHECKPOINTS); when the newest cannot be read, the workers
+    """Ray Train keeps two checkpoints (run.KEPT_CHECKPOINTS); when the newest cannot be read, the workers
     load its predecessor instead of failing every restart on it."""
     import ray.train
     import torch
 
-    from raysweep.cluster import KEPT_CHECKPOINTS
+    from raysweep.worker.run import KEPT_CHECKPOINTS
     from raysweep.worker.entry import load_state
     from raysweep.worker.run import CHECKPOINT_FILE
 
@@ -423,3 +423,26 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
     first, *others = [_final_weights(train, r.info.run_name) for r in children]
     for run, weights in zip(children[1:], others):
         _assert_twins(weights, first, f"trial {run.info.run_name}")
+
+
+def test_a_warm_groups_checkpoints_keep_the_newest_two_and_a_torn_newest_falls_back(tmp_path):
+    """On a warm group a trial's checkpoints are raysweep's own files in its folder (entry.save_checkpoint):
+    the newest two are kept, the newest unreadable one is skipped for the one before, none readable → None."""
+    import torch
+
+    from raysweep.worker.entry import last_checkpoint_epoch, load_latest, save_checkpoint
+    from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS
+
+    run_dir = str(tmp_path / "trial-x")
+    assert load_latest(run_dir, torch.device("cpu")) is None and last_checkpoint_epoch(run_dir) == 0
+    for epoch in (1, 2, 3, 10):
+        save_checkpoint(run_dir, epoch, {"epoch": epoch})
+    kept = sorted(p.name for p in (tmp_path / "trial-x").iterdir())
+    assert kept == ["checkpoint_000003", "checkpoint_000010"] and KEPT_CHECKPOINTS == 2
+    assert last_checkpoint_epoch(run_dir) == 10
+    assert load_latest(run_dir, torch.device("cpu"))["epoch"] == 10
+    newest = tmp_path / "trial-x" / "checkpoint_000010" / CHECKPOINT_FILE
+    newest.write_bytes(newest.read_bytes()[:20])  # torn
+    assert load_latest(run_dir, torch.device("cpu"))["epoch"] == 3
+    (tmp_path / "trial-x" / "checkpoint_000003" / CHECKPOINT_FILE).write_bytes(b"")
+    assert load_latest(run_dir, torch.device("cpu")) is None

@@ -73,6 +73,31 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     spans = sorted((c.info.start_time, c.info.end_time) for c in children)
     assert all(prev_end <= start for (_, prev_end), (start, _) in zip(spans, spans[1:]))
 
+    # warm worker groups: one group ran every trial; each trial's start-up is on its run, with its first epoch
+    from raysweep.metrics import STARTUP_NAMES
+
+    startups = {}
+    for child in sorted(children, key=lambda c: c.info.start_time):
+        phases = {}
+        for name in STARTUP_NAMES:
+            (m,) = client.get_metric_history(child.info.run_id, name)  # logged once
+            assert m.step == 1, (name, m.step)
+            phases[name] = m.value
+        assert phases["startup_s"] == pytest.approx(sum(v for k, v in phases.items() if k != "startup_s"), abs=1e-6)
+        startups[child.info.run_name] = phases
+    first, *later = startups.values()
+    assert all(p["startup_group_s"] == 0 and p["startup_data_s"] == 0 for p in later)  # the group was warm
+    assert first["startup_group_s"] + first["startup_data_s"] > 0  # it was built for (or beside) the first
+    assert all(f"up     {tid}: started in {p['startup_s']:.1f}s (driver " in out for tid, p in startups.items())
+    busy = parent.data.metrics["busy_share"]
+    assert 0 < busy < 1 and parent.data.metrics["sweep_wall_s"] > 0
+    assert f"busy {busy:.0%}: 1 slot × " in out and f"{len(later)} on warm groups" in out
+    # the slot's workers are gone with the sweep (its placement group freed for the next test's)
+    from ray.util.state import list_actors
+
+    alive = [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)]
+    assert not {"RayTrainWorker", "TrainController", "SlotHost", "BrokerActor"} & set(alive), alive
+
 
 @pytest.mark.ray
 @pytest.mark.parametrize("overrides, message", [

@@ -56,6 +56,21 @@ def test_train_command_three_epochs_two_workers(ray_cluster, tmp_path, capsys):
     assert loss[3] < loss[1]
     samples = {m.step: m.value for m in client.get_metric_history(child.info.run_id, "samples_seen")}
     assert samples == {1: 192, 2: 384, 3: 576}
+    # where the trial's start-up went, once, with epoch 1; the phases add up to trial start → first step
+    from raysweep.metrics import STARTUP_NAMES
+
+    startup = {}
+    for name in STARTUP_NAMES:
+        (m,) = client.get_metric_history(child.info.run_id, name)
+        assert m.step == 1
+        startup[name] = m.value
+    assert startup["startup_s"] == pytest.approx(sum(v for k, v in startup.items() if k != "startup_s"), abs=1e-6)
+    assert 0 < startup["startup_s"] < 300 and startup["startup_model_s"] > 0 and startup["startup_probe_s"] > 0
+    started = next(ln for ln in out.splitlines() if ln.startswith("started in "))
+    assert f"started in {startup['startup_s']:.1f}s (driver " in started and " · probe " in started
+    parent = parents[0]
+    assert 0 < parent.data.metrics["busy_share"] < 1
+    assert f"busy {parent.data.metrics['busy_share']:.0%}: 1 slot × " in out
 
 
 def _fit(tmp_path, name, overrides, data_ref):

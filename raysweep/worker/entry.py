@@ -9,23 +9,28 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 import torch
 
+from raysweep import storage
 from raysweep.config import TrialConfig
 from raysweep.metrics import report_dict
 from raysweep.worker import compile_cache
-from raysweep.worker.device import setup_device
+from raysweep.worker.device import release_host_memory, setup_device
 from raysweep.worker.faults import TrialFailure
-from raysweep.worker.reduce import gather_strings
-from raysweep.worker.run import CHECKPOINT_FILE, TrainingRun
+from raysweep.worker.reduce import agree, broadcast_object, gather_strings
+from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS, TrainingRun
+from raysweep.worker.shard import Shard
 
 log = logging.getLogger(__name__)
 
 
 def train_worker(config: dict) -> None:
-    """Every rank; `config` = {"trial": TrialConfig dict, "data": ObjectRef, "failure_file", "compile_cache": the
-    sweep's compile cache (compile_cache.py), "resume_from": a checkpoint folder to load when Ray Train hands none
+    """Every rank of one trial on a group of its own (`cluster.make_trainer`'s default: `probe`'s neighbour, the
+    benchmarks' cold start); a sweep's trials run on warm groups instead (`slot_worker`). `config` = {"trial":
+    TrialConfig dict, "data": ObjectRef, "failure_file", "compile_cache": the sweep's compile cache
+    (compile_cache.py), "resume_from": a checkpoint folder to load when Ray Train hands none
     (cluster.recover_torn_snapshot)}."""
     import ray
     import ray.train
@@ -46,21 +51,173 @@ def train_worker(config: dict) -> None:
     if checkpoint is None and config.get("resume_from"):  # Ray's checkpoint list was torn by a kill (cluster.py)
         checkpoint = ray.train.Checkpoint(config["resume_from"])
     start_epoch = run.restore(load_state(checkpoint, device))
-    if run.last_report:
-        # the checkpoint's epoch again (every rank): its report may have died with a killed driver, and a run
-        # that had finished must end with its real final result; trackers skip what they already hold
-        ray.train.report(run.last_report)
+
+    def send(payload: dict, epoch: int | None) -> bool:
+        due = epoch is not None and (epoch % trial.train.checkpoint_every == 0 or epoch == trial.train.epochs)
+        report(payload, rank, due, lambda: run.state(epoch, payload))
+        return True
+
+    train_epochs(run, start_epoch, send, config["failure_file"], config.get("compile_cache"))
+
+
+def train_epochs(run: TrainingRun, start_epoch: int, send, failure_file: str, cache: str | None,
+                 on_probed=None, proven: int = 0) -> bool:
+    """The loop every rank runs for a trial once its run is built and restored: the restored epoch's report again,
+    the OOM probe step, then train · evaluate · reduce · `send(payload, epoch)` per epoch while `send` says go on
+    (every rank gets the same answer). `send(payload, None)`: the re-sent report (no checkpoint with it).
+    `proven`: TrainingRun.fit_in_memory's. Returns whether an epoch trained at the run's micro-batch.
+
+    The restored checkpoint's report goes out first (every rank): it may have died with a killed driver, and a
+    run that had finished must end with its real final result; trackers skip what they already hold.
+    """
+    rank, trained = run.rank, False
+    if run.last_report and not send(run.last_report, None):
+        return trained
     try:
-        run.fit_in_memory()
+        run.fit_in_memory(proven)
+        if on_probed is not None:
+            on_probed()
         if rank == 0 and run.net.compile_s > 0:
-            compile_cache.save_artifacts(config.get("compile_cache"))
-        for epoch in range(start_epoch, trial.train.epochs + 1):
+            compile_cache.save_artifacts(cache)
+        for epoch in range(start_epoch, run.trial.train.epochs + 1):
             payload = report_dict(run.epoch(epoch), run.worker_params())
-            due = epoch % trial.train.checkpoint_every == 0 or epoch == trial.train.epochs
-            report(payload, rank, due, lambda: run.state(epoch, payload))
+            trained = True
+            if not send(payload, epoch):
+                break
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         if rank == 0:
-            write_failure(config["failure_file"], failure)
+            write_failure(failure_file, failure)
+    return trained
+
+
+def slot_worker(config: dict) -> None:
+    """Every rank of a warm worker group (raysweep/slots.py): set up once, then run the trials the sweep's broker
+    hands this slot, one after another, until the slot is retired. `config` = {"trial": the first trial's
+    TrialConfig dict (the group's shape), "data": ObjectRef, "broker", "slot": its number, "compile_cache"}.
+
+    What a trial builds is its own (model, optimizer, schedule, restore from its folder's checkpoint); the
+    processes, the process group, the device, the data on it and the compile caches stay. Rank 0 talks to the
+    broker; the others learn its answers by a broadcast, so every rank runs the same trial and stops at the same
+    epoch.
+    """
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    group_started = time.time()
+    quiet_ray_train_logs()
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    broker, slot = config["broker"], config["slot"]
+    device = ray.train.torch.get_device()
+    setup_device(device)
+    compile_cache.load_artifacts(config.get("compile_cache"))
+    data = ray.get(config["data"])  # zero-copy from the node's object store
+    nodes = gather_strings(ray.get_runtime_context().get_node_id())
+    shards: dict[int, tuple[Shard, Shard]] = {}  # by number of classes: on the device once per group
+    after, fresh = None, True
+    proven = 0  # the largest micro-batch a trial has trained in this group: later ones that fit skip the OOM probe
+    while True:
+        assignment = broadcast_object(ray.get(broker.next_assignment.remote(slot, after)) if rank == 0 else None,
+                                      device)
+        if assignment is None:
+            continue  # nothing to run yet: ask again
+        if assignment.get("retire"):
+            return
+        after = assignment["seq"]
+        picked = time.time()
+        trial = TrialConfig.from_dict(assignment["trial"])
+        classes = trial.image.num_classes
+        if classes not in shards:
+            shards[classes] = (Shard.build(data.train, rank, world_size, classes, device),
+                               Shard.build(data.val, rank, world_size, classes, device))
+        data_ready = time.time()
+        run = TrainingRun.build(trial, None, rank, world_size, device, wrap=ray.train.torch.prepare_model,
+                                shards=shards[classes])
+        run.nodes = nodes
+        run_dir = assignment["run_dir"]
+        start_epoch = run.restore(load_latest(run_dir, device))
+        stamps = {"model_ready": time.time()}
+        if fresh and assignment.get("slot_opened_at") is not None:  # the group was built for this trial
+            stamps.update(slot_asked=assignment["slot_opened_at"], group_started=group_started, data_ready=data_ready)
+        else:  # a warm group: it only had to hear of the trial
+            stamps.update(slot_asked=picked, group_started=picked, data_ready=data_ready)
+        fresh = False
+        seq, timeline, sent = assignment["seq"], stamps, 0
+
+        def send(payload: dict, epoch: int | None, run=run, run_dir=run_dir, seq=seq) -> bool:
+            nonlocal timeline, sent
+            due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch == run.trial.train.epochs)
+            go = True
+            if rank == 0:
+                # a checkpoint only once Tune holds every earlier report (Broker.acked_through): usually at once
+                if due and not ray.get(broker.acked_through.remote(seq, sent)):
+                    go = False  # the trial was ended (or its driver stopped): no checkpoint past what it heard
+                else:
+                    if due:
+                        save_checkpoint(run_dir, epoch, run.state(epoch, payload))
+                    go = ray.get(broker.report.remote(seq, payload, timeline if epoch is not None else None,
+                                                      epoch is None))
+                    sent += 1
+                if epoch is not None:
+                    timeline = None
+            return agree(go, device)
+
+        if train_epochs(run, start_epoch, send, storage.join(run_dir, FAILURE_FILE), config.get("compile_cache"),
+                        on_probed=lambda: stamps.update(probed=time.time()), proven=proven):
+            proven = max(proven, run.micro_batch)
+        del run
+        if device.type == "cpu":
+            release_host_memory()
+        if rank == 0:
+            ray.get(broker.finish.remote(seq))
+
+
+# raysweep's own checkpoints of a trial on a warm group, in the trial's folder: checkpoint_<epoch>/state.pt, the
+# newest KEPT_CHECKPOINTS kept; and the agreed-failure file beside them (cluster.read_failure reads it)
+FAILURE_FILE = "raysweep_failure.json"
+
+
+def save_checkpoint(run_dir: str, epoch: int, state: dict) -> str:
+    """Rank 0: the trial's state after `epoch`, written whole (storage.write_bytes), then older ones dropped."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    location = storage.join(run_dir, f"checkpoint_{epoch:06d}", CHECKPOINT_FILE)
+    storage.write_bytes(location, buffer.getvalue())
+    kept = [n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")]
+    for name in kept[:-KEPT_CHECKPOINTS]:
+        storage.delete_dir(storage.join(run_dir, name))
+    return location
+
+
+def load_latest(run_dir: str, device: torch.device) -> dict | None:
+    """The newest readable checkpoint's state in a trial's folder (an unreadable newest one, torn by a kill,
+    falls back to the one before it); None: none there, or none readable (the trial starts over)."""
+    import io
+
+    names = sorted((n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")), reverse=True)
+    for name in names:
+        location = storage.join(run_dir, name, CHECKPOINT_FILE)
+        try:
+            data = storage.read_bytes(location)
+            if data is None:
+                raise FileNotFoundError(location)
+            return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+        except Exception as e:  # torn: EOFError, RuntimeError (zip), UnpicklingError, FileNotFoundError
+            log.warning("checkpoint %s cannot be read (%s: %s); trying the one before it", location,
+                        type(e).__name__, e)
+    if names:
+        log.warning("no readable checkpoint under %s: the trial starts over", run_dir)
+    return None
+
+
+def last_checkpoint_epoch(run_dir: str) -> int:
+    """The epoch of a trial's newest checkpoint folder (0: none), from its name alone."""
+    names = [n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")]
+    return max((int(n.removeprefix("checkpoint_")) for n in names if n.removeprefix("checkpoint_").isdigit()),
+               default=0)
 
 
 def load_state(checkpoint, device: torch.device) -> dict | None:
@@ -101,8 +258,6 @@ def report(metrics: dict, rank: int, checkpoint_due: bool, state_fn) -> None:
 
 def write_failure(location: str, failure: TrialFailure) -> None:
     """Rank 0's half of the agreed-failure file (cluster.read_failure is the trial function's half)."""
-    from raysweep import storage
-
     storage.write_text(location, json.dumps({"kind": failure.kind, "message": str(failure)}))
 
 

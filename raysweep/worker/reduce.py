@@ -82,3 +82,17 @@ def gather_strings(value: str) -> str:
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return ",".join(values)
+
+
+def broadcast_object(value, device: torch.device | None = None):
+    """Rank 0's `value` on every rank (pickled; for the few decisions a warm group takes between trials)."""
+    if not distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, device=device if device is not None and device.type == "cuda" else None)
+    return box[0]
+
+
+def agree(go: bool, device: torch.device) -> bool:
+    """Rank 0's decision to go on (the others pass True), on every rank: one all-reduce (MIN)."""
+    return bool(all_reduce_named({"go": float(go)}, dist.ReduceOp.MIN, device)["go"])

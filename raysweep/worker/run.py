@@ -23,6 +23,7 @@ from raysweep.worker.step import train_one_epoch
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "state.pt"
+KEPT_CHECKPOINTS = 2  # a trial's newest checkpoints kept: one torn by a kill or a full disk has a predecessor
 
 
 @dataclass
@@ -43,14 +44,17 @@ class TrainingRun:
 
     @classmethod
     def build(cls, trial: TrialConfig, data, rank: int, world_size: int, device: torch.device, wrap=None,
-              path: str | None = None) -> TrainingRun:
-        """`path`: the model's path (RankModel.build)."""
+              path: str | None = None, shards: tuple[Shard, Shard] | None = None) -> TrainingRun:
+        """`path`: the model's path (RankModel.build). `shards`: (train, val) already on the device (a warm
+        group's, built once for all its trials); None: cut from `data` now."""
         net = RankModel.build(trial, device, wrap, path=path)
         scheduler = build_scheduler(net.optimizer, trial.peak_lr, trial.train.min_lr, trial.warmup_steps,
                                     trial.total_steps)
-        classes = trial.image.num_classes
-        return cls(trial, net, scheduler, Shard.build(data.train, rank, world_size, classes, device),
-                   Shard.build(data.val, rank, world_size, classes, device), rank)
+        if shards is None:
+            classes = trial.image.num_classes
+            shards = (Shard.build(data.train, rank, world_size, classes, device),
+                      Shard.build(data.val, rank, world_size, classes, device))
+        return cls(trial, net, scheduler, *shards, rank)
 
     def restore(self, state: dict | None) -> int:
         """Continue from a checkpoint's state (`entry.load_state`) if there is one; returns the epoch to start at."""
@@ -71,10 +75,17 @@ class TrainingRun:
         """The micro-batch the epochs run: the shard cut into equal micro-batches (shard.epoch_plan)."""
         return len(self.train) // self.trial.micro_batches_per_epoch
 
-    def fit_in_memory(self) -> None:
+    def fit_in_memory(self, proven: int = 0) -> None:
         """One probe step at the trial's micro-batch on every rank before training (with the compiled step, the
         compile happens here); on OOM halve the micro-batch and double accumulation (same global batch and LR),
-        at most max_downshifts times."""
+        at most max_downshifts times.
+
+        `proven`: the largest micro-batch this process has already trained (a warm group's earlier trial, same
+        model, precision and world size): one no larger fits, and the probe is skipped (it leaves no trace on the
+        run either way: probe_step.KeptState). A process that fragmented its memory since still OOMs in training:
+        its group restarts, fresh, and probes again."""
+        if self.micro_batch <= proven:
+            return
         for shift in range(self.trial.train.max_downshifts + 1):
             micro = self.micro_batch
             if probe_step(self.net, self.trial, micro).fits:

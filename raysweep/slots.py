@@ -1,0 +1,440 @@
+"""Warm worker groups: one long-lived Ray Train `TorchTrainer` per concurrency slot, running the trials Tune hands it.
+
+Ray Train builds a worker group from nothing for every `fit()`: placement group, worker processes, imports, the
+process group (NCCL/gloo), the data on each device: 10-35 s before the first step, for epochs of a second or two.
+A sweep's trials all want the same group (the spec's `scaling`), so a slot's group lives for the whole sweep:
+
+    Tune trial (sweep.run_trial)  ── submit ──▶  Broker (this module, one async actor per sweep)
+        relays every epoch's report     ◀── report ──  slot's rank 0 (worker/entry.slot_worker)
+        to Tune (ASHA decides)                         takes the next assignment, runs it, takes the next
+
+Each trial stays a Tune trial: its own search point, ASHA decisions, MLflow child run, checkpoints in its own
+folder (`<storage>/<name>/train/trial-<id>`) and its own restart budget (`train.max_failures`). What the slot
+keeps across trials is its processes, their CUDA context and process group, the data on each device, the compile
+caches in memory and cuDNN's autotuning; a trial builds only what is its own (model, optimizer, restore).
+
+The rules the broker keeps:
+- a trial ASHA stops (or that errors) is ended by the driver (`end`): its slot finishes the epoch it is in and
+  takes the next trial;
+- a worker that dies: Ray Train restarts the slot's group (FailureConfig), its new rank 0 asks again and gets the
+  trial it was running, which resumes from its checkpoint; past `max_failures` restarts the trial fails with the
+  workers' error (`group_error`, from a Ray Train callback in the slot's controller);
+- a slot whose group cannot start (or restart) ends; its trial fails with the cause;
+- a trial whose scaling differs from every idle slot's gets a group of its own (an idle slot of another shape
+  is retired to make room);
+- the driver owns the broker and the broker owns the slots: a driver that dies takes them all with it, and
+  `--resume` starts new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+ASK_WAIT_S = 5.0  # one long poll (a slot asking for work, a trial waiting for reports) waits at most this long
+DECISION_WAIT_S = 60.0  # the longest a slot waits for Tune's decision at a rung before it goes on anyway
+CLOSE_WAIT_S = 60.0  # at the end of a sweep, how long retiring slots may take to leave before they are killed
+
+
+def scaling_key(trial: dict) -> str:
+    """What a worker group is built for: trials with the same key can share one (a TrialConfig dict's scaling)."""
+    return json.dumps(trial["scaling"], sort_keys=True)
+
+
+@dataclass
+class Assignment:
+    """One trial's run on a slot, as the broker tracks it."""
+
+    seq: int  # the broker's number for it: a trial submitted again (a Tune retry) gets a new one
+    trial_id: str
+    trial: dict  # TrialConfig dict
+    run_dir: str  # the trial's own folder (checkpoints, the agreed-failure file)
+    key: str  # scaling_key(trial)
+    max_failures: int  # worker-group restarts the trial may use
+    decision_epochs: tuple[int, ...] = ()  # epochs after which Tune's scheduler may stop it (ASHA's rungs, max_t)
+    acked: int = 0  # reports Tune has taken and let the trial go on after
+    slot: int | None = None
+    started: bool = False  # a slot's rank 0 has taken it
+    restarts: int = 0
+    reports: list = field(default_factory=list)  # every epoch's metrics dict, in order
+    timeline: dict = field(default_factory=dict)  # the start-up stamps of its first start (metrics.startup_phases)
+    timeline_at: int = -1  # the report that came with them
+    done: bool = False
+    failure: str | None = None  # set when the broker ended it (restarts spent, the slot's group lost)
+    cancelled: bool = False  # the driver ended the trial (ASHA, an error): stop at the next epoch's end
+    last_error: str | None = None  # the workers' error behind the last restart of its group
+
+
+@dataclass
+class Slot:
+    slot_id: int
+    key: str
+    opened_at: float  # wall clock: when the broker asked Ray Train for its group
+    current: Assignment | None = None
+    retiring: bool = False  # its workers leave at their next ask
+    trials_taken: int = 0
+
+
+class Broker:
+    """The sweep's slots and the trials on them; every method is called through Ray (an async actor), one at a
+    time on its event loop. `launch(slot_id, trial)` builds and fits the slot's long-lived trainer and returns
+    when its fit() ends (raising what fit() raised)."""
+
+    def __init__(self, capacity: int, launch: Callable[[int, dict], Awaitable[None]]):
+        self.capacity, self.launch = capacity, launch
+        self.queue: list[Assignment] = []  # submitted, not yet on a slot
+        self.slots: dict[int, Slot] = {}
+        self.trials: dict[str, Assignment] = {}  # trial id → its latest assignment
+        self.changed = asyncio.Condition()
+        self.seq = self.next_slot = 0
+        self.busy_s = 0.0  # seconds the slots spent training and evaluating (every epoch's epoch_time_s)
+        self.closing = False
+        self.tasks: set = set()  # the slots' watchers (a task with no reference may be collected mid-run)
+
+    # -- the trial side (sweep.run_trial, in Tune's trial actor; the driver's callback)
+
+    async def submit(self, trial_id: str, trial: dict, run_dir: str, max_failures: int,
+                     decision_epochs: tuple[int, ...] = ()) -> int:
+        """Queue a trial for the next free slot of its shape; returns its assignment number. `decision_epochs`:
+        where ASHA may stop it (`report`)."""
+        old = self.trials.get(trial_id)
+        if old is not None and not old.done:  # Tune runs the trial again (a retry): the old run stops
+            self._cancel(old)
+        self.seq += 1
+        a = Assignment(self.seq, trial_id, trial, run_dir, scaling_key(trial), max_failures, tuple(decision_epochs))
+        self.trials[trial_id] = a
+        self.queue.append(a)
+        await self._changed()
+        return a.seq
+
+    async def poll(self, trial_id: str, seq: int, since: int, wait_s: float = ASK_WAIT_S) -> dict:
+        """Reports after the first `since`, once there are some or the trial is done (or `wait_s` passed)."""
+        def ready():
+            a = self.trials.get(trial_id)
+            return a is None or a.seq != seq or a.done or len(a.reports) > since
+
+        await self._wait(ready, wait_s)
+        a = self.trials.get(trial_id)
+        if a is None or a.seq != seq:
+            return {"reports": [], "done": True, "failure": "superseded by a newer run of the same trial"}
+        return {"reports": a.reports[since:], "done": a.done, "failure": a.failure, "timeline": a.timeline,
+                "timeline_at": a.timeline_at, "restarts": a.restarts}
+
+    async def end(self, trial_id: str) -> None:
+        """The driver ended the trial (ASHA stopped it, or it errored): its slot stops after the current epoch."""
+        a = self.trials.get(trial_id)
+        if a is not None and not a.done:
+            self._cancel(a)
+            await self._changed()
+
+    async def prewarm(self, trial: dict, count: int) -> None:
+        """Start `count` groups for trials shaped like `trial` now, before any trial asks: they build while the
+        driver opens MLflow and Tune starts its first trials."""
+        key = scaling_key(trial)
+        while count > 0 and len([s for s in self.slots.values() if not s.retiring]) < self.capacity:
+            self._open(Assignment(0, "", trial, "", key, 0))
+            count -= 1
+
+    # -- the slot side (rank 0 of each slot's group; the controller's callback)
+
+    async def next_assignment(self, slot_id: int, after: int | None) -> dict | None:
+        """What the slot's group runs next: an assignment dict, {"retire": True} (leave: fit() returns), or None
+        (nothing yet: ask again). `after`: the last assignment this group took; None from a group that just
+        started, which resumes the trial its slot was running when a worker died."""
+        deadline = time.monotonic() + ASK_WAIT_S
+        while True:
+            slot = self.slots.get(slot_id)
+            if slot is None or slot.retiring:
+                return {"retire": True}
+            a = slot.current
+            if a is not None and not a.done:
+                if a.cancelled:  # ended before (or while) this group held it: nothing to run
+                    self._finish(a)
+                    await self._changed()
+                    continue
+                if a.started and after is None:  # a restarted group: the trial resumes, if it may
+                    a.restarts += 1
+                    if a.restarts > a.max_failures:
+                        self._finish(a, failure=f"worker group restarted {a.restarts - 1} times (train.max_failures "
+                                                f"{a.max_failures}); last error: {a.last_error or 'unknown'}")
+                        await self._changed()
+                        continue
+                if after is None or a.seq > after:
+                    first_on_slot = slot.trials_taken == 0
+                    if not a.started:
+                        slot.trials_taken += 1
+                    a.started = True
+                    return {"seq": a.seq, "trial_id": a.trial_id, "trial": a.trial, "run_dir": a.run_dir,
+                            "slot_opened_at": slot.opened_at if first_on_slot else None}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await self._wait_changed(left)
+
+    async def report(self, seq: int, metrics: dict, timeline: dict | None = None, resent: bool = False) -> bool:
+        """One epoch of an assignment (`timeline`: its start-up stamps, with its first epoch; `resent`: a restored
+        checkpoint's report again, nothing trained); returns whether to go on (False: the trial was ended).
+
+        At an epoch where ASHA decides (the assignment's `decision_epochs`, a rung) the answer waits for Tune's
+        decision (the trial's `ack`, or its end), so a cut trial stops here instead of training one more epoch
+        while the next trial waits for its slot; between rungs ASHA never stops a trial and the slot goes on at
+        once."""
+        a = self._assignment(seq)
+        if a is None or a.done:
+            return False
+        if timeline and not a.timeline:
+            a.timeline, a.timeline_at = timeline, len(a.reports)
+        a.reports.append(metrics)
+        if not resent:
+            self.busy_s += float(metrics.get("epoch_time_s", 0.0))
+        await self._changed()
+        if not resent and int(metrics.get("epoch", 0)) in a.decision_epochs:
+            count = len(a.reports)
+            await self._wait(lambda: a.acked >= count or a.cancelled or a.done, DECISION_WAIT_S)
+        return not a.cancelled
+
+    async def acked_through(self, seq: int, count: int, wait_s: float = DECISION_WAIT_S) -> bool:
+        """Whether Tune has taken the assignment's first `count` reports (waiting for it): a checkpoint may be
+        written only then. Otherwise a driver that stops (Ctrl-C) while the slot runs ahead would leave a
+        checkpoint past epochs no tracker ever heard of, and the resumed trial, which re-sends only its
+        checkpoint's own epoch, would leave a hole in its history. False: ended, or no answer in `wait_s`."""
+        a = self._assignment(seq)
+        if a is None:
+            return False
+        await self._wait(lambda: a.acked >= count or a.cancelled or a.done, wait_s)
+        if a.acked < count and not a.cancelled and not a.done:  # a trial function that no longer relays
+            self._finish(a, failure=f"Tune took none of the trial's last reports in {wait_s:.0f} s")
+            await self._changed()
+        return a.acked >= count and not a.cancelled and not a.done
+
+    async def ack(self, trial_id: str, seq: int, count: int) -> None:
+        """Tune took the trial's first `count` reports and let it go on."""
+        a = self.trials.get(trial_id)
+        if a is not None and a.seq == seq and count > a.acked:
+            a.acked = count
+            await self._changed()
+
+    async def finish(self, seq: int) -> None:
+        """The slot's group is done with an assignment (it ran out of epochs, failed as agreed, or was ended)."""
+        a = self._assignment(seq)
+        if a is not None and not a.done:
+            self._finish(a)
+            await self._changed()
+
+    async def group_error(self, slot_id: int, text: str) -> None:
+        """What the slot's workers raised (Ray Train's controller saw it; it restarts the group next)."""
+        slot = self.slots.get(slot_id)
+        if slot is not None and slot.current is not None:
+            slot.current.last_error = text
+
+    # -- the driver
+
+    async def close(self, wait_s: float = CLOSE_WAIT_S) -> int:
+        """Retire every slot and wait for their groups to leave; returns how many were still there."""
+        self.closing = True
+        for a in list(self.trials.values()):  # what runs stops at its next report; nothing queued starts
+            if not a.done:
+                self._cancel(a)
+        for slot in self.slots.values():
+            slot.retiring = True
+        await self._changed()
+        await self._wait(lambda: not self.slots, wait_s)
+        return len(self.slots)
+
+    async def state(self) -> dict:
+        """For tests and the console: slots and their keys, trials and where they are."""
+        return {"slots": {s.slot_id: {"key": s.key, "current": s.current.trial_id if s.current else None,
+                                      "taken": s.trials_taken, "retiring": s.retiring} for s in self.slots.values()},
+                "queued": [a.trial_id for a in self.queue], "busy_s": self.busy_s}
+
+    # -- inside
+
+    def _assignment(self, seq: int) -> Assignment | None:
+        return next((a for a in self.trials.values() if a.seq == seq), None)
+
+    def _cancel(self, a: Assignment) -> None:
+        a.cancelled = True
+        if not a.started:  # never reached a group: nothing to stop
+            if a in self.queue:
+                self.queue.remove(a)
+            self._finish(a)
+
+    def _finish(self, a: Assignment, failure: str | None = None) -> None:
+        a.done, a.failure = True, failure
+        slot = self.slots.get(a.slot) if a.slot is not None else None
+        if slot is not None and slot.current is a:
+            slot.current = None
+
+    def _place(self) -> None:
+        """Put queued trials on slots: an idle one of their shape, else a new one while there is room, else (at
+        capacity) in place of an idle one of another shape."""
+        for a in list(self.queue):
+            if self.closing:
+                return
+            idle = [s for s in self.slots.values() if s.current is None and not s.retiring]
+            live = [s for s in self.slots.values() if not s.retiring]
+            slot = next((s for s in idle if s.key == a.key), None)
+            if slot is None and len(live) >= self.capacity and idle:
+                idle[0].retiring = True  # its group leaves at its next ask, and frees its resources for the new one
+                live.remove(idle[0])
+            if slot is None and len(live) < self.capacity:
+                slot = self._open(a)
+            if slot is None:
+                continue  # every slot is busy: the next one to finish takes it
+            self.queue.remove(a)
+            a.slot, slot.current = slot.slot_id, a
+
+    def _open(self, a: Assignment) -> Slot:
+        """A new slot for trials shaped like `a` (its group is built from a's trial dict)."""
+        slot = Slot(self.next_slot, a.key, time.time())
+        self.next_slot += 1
+        self.slots[slot.slot_id] = slot
+        task = asyncio.get_running_loop().create_task(self._run_slot(slot, a.trial))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return slot
+
+    async def _run_slot(self, slot: Slot, trial: dict) -> None:
+        error = None
+        try:
+            await self.launch(slot.slot_id, trial)
+        except Exception as e:  # its group could not start, or restart
+            error = f"{type(e).__name__}: {e}"
+        if error and not slot.retiring:
+            log.warning("slot %d ended: %s", slot.slot_id, error.splitlines()[0])
+        del self.slots[slot.slot_id]
+        if slot.current is not None and not slot.current.done:
+            failure = error or "its worker group ended"
+            if slot.current.last_error:
+                failure += f"; the workers' last error: {slot.current.last_error}"
+            self._finish(slot.current, failure=f"worker group lost: {failure}")
+        await self._changed()
+
+    async def _changed(self) -> None:
+        self._place()
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _wait_changed(self, wait_s: float) -> None:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _wait(self, ready, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await self._wait_changed(left)
+
+
+# ---------------------------------------------------------------------------------------------
+# On Ray
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """What every slot's trainer is built from (cluster.make_trainer)."""
+
+    data_ref: object  # ObjectRef of data.CaptchaData
+    storage_path: str  # the slots' Ray Train runs live at <storage_path>/slot-<n> (no checkpoints: trials keep theirs)
+    env: dict  # worker environment (cluster.worker_env)
+    compile_cache: str | None
+    node_id: str  # the driver's node: slot hosts and their controllers stay beside it, off the workers' nodes
+
+
+_ACTIVE: dict[str, object] = {}  # this driver's brokers, by the sweep's folder (a driver runs one sweep at a time)
+
+
+def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
+    """The sweep's broker, an async actor on the driver's node, for at most `capacity` slots at once;
+    `close_broker` ends it and every slot."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    broker_class, _ = _actor_classes()
+    broker = broker_class.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=True)).remote(capacity, plan)
+    _ACTIVE[experiment_path] = broker
+    return broker
+
+
+def active(experiment_path: str):
+    """The broker of the sweep this driver runs at `experiment_path` (None: none, or it closed)."""
+    return _ACTIVE.get(experiment_path)
+
+
+def close_broker(experiment_path: str) -> None:
+    """Retire the slots (their groups leave between trials), then end the broker and whatever is left of them."""
+    import ray
+
+    broker = _ACTIVE.pop(experiment_path, None)
+    if broker is None:
+        return
+    try:
+        left = ray.get(broker.close.remote(), timeout=CLOSE_WAIT_S + 10)
+        if left:
+            log.warning("%d worker group(s) did not leave in %.0f s; ending them", left, CLOSE_WAIT_S)
+    except Exception as e:  # the broker already gone (Ray shutting down): nothing to retire
+        log.debug("closing the slots: %s", e)
+    ray.kill(broker)  # the slot hosts it owns, their controllers and workers go with it
+
+
+@functools.cache
+def _actor_classes():
+    """The broker and slot-host actor classes (made on first use: importing this module imports no Ray)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class SlotHost:
+        """Runs one slot's long-lived trainer: fit() returns when the slot is retired."""
+
+        def run(self, plan: SlotPlan, slot_id: int, trial: dict, broker) -> None:
+            from raysweep.cluster import make_trainer
+            from raysweep.config import TrialConfig
+            from raysweep.worker.entry import slot_worker
+
+            make_trainer(TrialConfig.from_dict(trial), plan.data_ref, plan.storage_path, f"slot-{slot_id}",
+                         [_error_forwarder(broker, slot_id)], env=plan.env, worker_fn=slot_worker,
+                         extra_config={"broker": broker, "slot": slot_id}, compile_cache=plan.compile_cache,
+                         max_failures=-1).fit()  # restarts are counted per trial, by the broker
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class BrokerActor(Broker):
+        def __init__(self, capacity: int, plan: SlotPlan):
+            super().__init__(capacity, self._launch)
+            self.plan = plan
+
+        async def _launch(self, slot_id: int, trial: dict) -> None:
+            me = ray.get_runtime_context().current_actor
+            host = SlotHost.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=True)).remote()
+            try:
+                await host.run.remote(self.plan, slot_id, trial, me)
+            finally:
+                ray.kill(host)
+
+    return BrokerActor, SlotHost
+
+
+def _error_forwarder(broker, slot_id: int):
+    """A Ray Train callback (it runs in the slot's controller) that hands the broker what the workers raised
+    before the group restarts: the trial that uses up its restarts fails with it."""
+    import ray.train
+
+    class ErrorForwarder(ray.train.UserCallback):
+        def after_exception(self, run_context, worker_exceptions):
+            text = "\n".join(f"rank {rank}: {e}" for rank, e in sorted(worker_exceptions.items()))
+            broker.group_error.remote(slot_id, text)
+
+    return ErrorForwarder()

@@ -1,0 +1,249 @@
+"""The warm worker groups' broker (raysweep/slots.py), driven as Tune's trials and a slot's rank 0 drive it, with a
+stand-in for Ray Train's fit(); and the start-up and busy figures. The same broker on Ray runs every sweep test."""
+
+import asyncio
+
+import pytest
+
+from raysweep.metrics import STARTUP_NAMES, startup_phases
+from raysweep.slots import Broker
+from raysweep.sweep import busy_share
+
+CPU2 = {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1}
+CPU3 = {"num_workers": 3, "use_gpu": False, "cpus_per_worker": 1}
+
+
+def trial(scaling=CPU2):
+    return {"scaling": scaling}
+
+
+class Fits:
+    """Stand-in for the slots' trainers: each launch is a fit() that runs until the slot leaves (or is failed)."""
+
+    def __init__(self, fail_with: str | None = None):
+        self.launched: list[tuple[int, dict]] = []
+        self.ends: dict[int, asyncio.Future] = {}
+        self.fail_with = fail_with
+
+    async def launch(self, slot_id: int, first_trial: dict) -> None:
+        self.launched.append((slot_id, first_trial))
+        if self.fail_with:
+            raise RuntimeError(self.fail_with)
+        self.ends[slot_id] = asyncio.get_running_loop().create_future()
+        await self.ends[slot_id]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_trials_share_one_warm_slot_in_turn_and_only_the_first_pays_for_the_group():
+    async def go():
+        fits = Fits()
+        b = Broker(1, fits.launch)
+        a1 = await b.submit("a", trial(), "/runs/trial-a", 1)
+        a2 = await b.submit("b", trial(), "/runs/trial-b", 1)
+        await settle()
+        assert [s for s, _ in fits.launched] == [0]  # one group for both
+        first = await b.next_assignment(0, None)
+        assert first["trial_id"] == "a" and first["slot_opened_at"] is not None  # built for this trial
+        assert await b.report(a1, {"epoch": 1, "epoch_time_s": 2.0}, {"probed": 1.0}) is True
+        assert await b.report(a1, {"epoch": 1, "epoch_time_s": 9.0}, resent=True) is True  # nothing trained
+        await b.finish(a1)
+        polled = await b.poll("a", a1, 0, wait_s=0)
+        assert polled["done"] and polled["failure"] is None and len(polled["reports"]) == 2
+        assert polled["timeline"] == {"probed": 1.0} and polled["timeline_at"] == 0
+        second = await b.next_assignment(0, first["seq"])
+        assert second["trial_id"] == "b" and second["seq"] == a2 and second["slot_opened_at"] is None  # warm
+        assert [s for s, _ in fits.launched] == [0]
+        assert b.busy_s == 2.0
+        return b
+
+    run(go())
+
+
+def test_a_trial_the_driver_ends_stops_at_its_next_report_and_the_slot_takes_the_next():
+    async def go():
+        b = Broker(1, Fits().launch)
+        a1 = await b.submit("a", trial(), "/runs/a", 1)
+        await b.submit("b", trial(), "/runs/b", 1)
+        got = await b.next_assignment(0, None)
+        assert await b.report(a1, {"epoch": 1}) is True
+        await b.end("a")  # ASHA stopped it
+        assert await b.report(a1, {"epoch": 2}) is False  # every rank stops after this epoch
+        await b.finish(a1)
+        assert (await b.next_assignment(0, got["seq"]))["trial_id"] == "b"
+        # a trial ended while still queued never reaches a group
+        await b.submit("c", trial(), "/runs/c", 1)
+        await b.end("c")
+        assert (await b.poll("c", b.trials["c"].seq, 0, wait_s=0))["done"]
+        assert b.queue == []
+
+    run(go())
+
+
+def test_a_restarted_group_resumes_its_trial_until_the_restarts_are_spent_then_the_trial_fails_with_the_cause():
+    async def go():
+        b = Broker(1, Fits().launch)
+        seq = await b.submit("a", trial(), "/runs/a", 1)
+        assert (await b.next_assignment(0, None))["seq"] == seq
+        await b.group_error(0, "rank 1: A worker health check failed: the actor died unexpectedly")
+        again = await b.next_assignment(0, None)  # the new group's rank 0: the same trial, from its checkpoint
+        assert again["seq"] == seq and b.trials["a"].restarts == 1
+        assert again["slot_opened_at"] is None  # a restart is not this trial's start-up
+        assert await b.next_assignment(0, None) is None  # a second restart: max_failures 1 spent; nothing else
+        polled = await b.poll("a", seq, 0, wait_s=0)
+        assert polled["done"] and "train.max_failures 1" in polled["failure"]
+        assert "died unexpectedly" in polled["failure"]  # metrics.error_line names it a worker death
+
+    run(go())
+
+
+def test_a_trial_of_another_shape_gets_a_group_of_its_own_in_place_of_an_idle_one():
+    async def go():
+        fits = Fits()
+        b = Broker(1, fits.launch)
+        a1 = await b.submit("a", trial(CPU2), "/runs/a", 0)
+        got = await b.next_assignment(0, None)
+        await b.finish(a1)
+        await b.submit("b", trial(CPU3), "/runs/b", 0)
+        await settle()
+        assert [(s, t["scaling"]["num_workers"]) for s, t in fits.launched] == [(0, 2), (1, 3)]
+        assert await b.next_assignment(0, got["seq"]) == {"retire": True}  # the 2-worker group leaves
+        assert (await b.next_assignment(1, None))["trial_id"] == "b"
+
+    run(go())
+
+
+def test_a_slot_whose_group_cannot_start_fails_its_trial_with_the_cause():
+    async def go():
+        b = Broker(1, Fits(fail_with="ControllerError: The worker group startup timed out after 15.0 seconds").launch)
+        seq = await b.submit("a", trial(), "/runs/a", 3)
+        polled = await b.poll("a", seq, 0, wait_s=5)
+        assert polled["done"] and "startup timed out" in polled["failure"] and "worker group lost" in polled["failure"]
+        assert b.slots == {}
+
+    run(go())
+
+
+def test_close_retires_every_slot_and_waits_for_its_group_to_leave():
+    async def go():
+        fits = Fits()
+        b = Broker(2, fits.launch)
+        await b.submit("a", trial(), "/runs/a", 0)
+        await b.submit("b", trial(), "/runs/b", 0)
+        await settle()
+        assert sorted(b.slots) == [0, 1]
+        closing = asyncio.ensure_future(b.close(wait_s=10))
+        await settle()
+        assert await b.next_assignment(0, None) == {"retire": True}
+        for end in fits.ends.values():  # the groups' fit() return once their workers have left
+            end.set_result(None)
+        assert await closing == 0
+
+    run(go())
+
+
+def test_startup_phases_sum_to_trial_start_to_first_step_and_a_clock_skew_counts_as_zero():
+    stamps = {"trial_started": 100.0, "relay_started": 101.5, "slot_asked": 101.6, "group_started": 111.6,
+              "data_ready": 112.6, "model_ready": 113.0, "probed": 113.5}
+    phases = startup_phases(stamps)
+    assert set(phases) == set(STARTUP_NAMES)
+    assert phases["startup_driver_s"] == pytest.approx(1.5) and phases["startup_group_s"] == pytest.approx(10.0)
+    assert phases["startup_s"] == pytest.approx(13.5)
+    warm = {**stamps, "slot_asked": 102.0, "group_started": 102.0, "data_ready": 102.0, "model_ready": 102.2,
+            "probed": 102.4}
+    assert startup_phases(warm)["startup_group_s"] == 0 and startup_phases(warm)["startup_s"] == pytest.approx(2.4)
+    skewed = {**stamps, "group_started": 101.0}  # a worker node's clock 0.6 s behind
+    assert startup_phases(skewed)["startup_group_s"] == 0
+    assert startup_phases(skewed)["startup_data_s"] == pytest.approx(11.0)
+
+
+def test_busy_share_is_training_seconds_over_wall_time_times_slots():
+    assert busy_share(60.0, 100.0, 2) == pytest.approx(0.3)
+
+
+def test_a_slot_waits_for_tunes_decision_only_at_the_epochs_where_asha_decides(tmp_path):
+    """Between rungs ASHA never stops a trial: the slot goes on at once; at a rung its answer waits for Tune (the
+    trial's ack, or its end), so a cut trial trains no epoch past its rung."""
+    from ray.tune.schedulers import TrialScheduler
+
+    from conftest import tiny_spec, write_spec
+    from raysweep.config import load_config
+    from raysweep.sweep import asha, decision_epochs
+
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), ["train.epochs=8", "tune.asha.grace_period=1",
+                                                                    "tune.asha.reduction_factor=2"])
+    scheduler = asha(config)
+    scheduler.set_search_properties(config.tune.metric, "min")
+    epochs = decision_epochs(scheduler, config)
+    assert epochs == (1, 2, 4, 8)
+
+    class Trial:  # what ASHA reads of a trial
+        def __init__(self, trial_id):
+            self.trial_id, self.config = trial_id, {}
+
+    # ASHA's own decisions: a worse trial is stopped at a rung, never between rungs
+    for name in ("good0", "good1", "good2", "bad"):
+        scheduler.on_trial_add(None, Trial(name))
+    for t in range(3):
+        for epoch in range(1, 9):
+            decision = scheduler.on_trial_result(None, Trial(f"good{t}"), {"epoch": epoch, "val_loss": 1.0 / epoch})
+    stopped = [e for e in range(1, 9)
+               if scheduler.on_trial_result(None, Trial("bad"), {"epoch": e, "val_loss": 9.0}) == TrialScheduler.STOP]
+    assert stopped and set(stopped) <= set(epochs), (stopped, decision)
+
+    async def go():
+        b = Broker(1, Fits().launch)
+        seq = await b.submit("a", trial(), "/runs/a", 0, epochs)
+        await b.next_assignment(0, None)
+        assert await b.report(seq, {"epoch": 3}) is True  # not a rung: no wait
+        at_rung = asyncio.ensure_future(b.report(seq, {"epoch": 4}))
+        await settle()
+        assert not at_rung.done()  # waiting for Tune
+        await b.end("a")  # ASHA cut it at the rung
+        assert await at_rung is False
+        seq2 = await b.submit("b", trial(), "/runs/b", 0, epochs)
+        await b.next_assignment(0, seq)
+        at_rung = asyncio.ensure_future(b.report(seq2, {"epoch": 1}))
+        await settle()
+        await b.ack("b", seq2, 1)  # Tune let it go on
+        assert await at_rung is True
+
+    run(go())
+
+
+def test_a_checkpoint_waits_until_tune_holds_every_earlier_report_and_close_stops_what_runs():
+    """A slot runs ahead of Tune by at most one report: it checkpoints epoch k only once Tune has taken every
+    report before it, so a driver stopped in between leaves no checkpoint past epochs MLflow never heard of."""
+    async def go():
+        b = Broker(1, Fits().launch)
+        seq = await b.submit("a", trial(), "/runs/a", 0)
+        await b.next_assignment(0, None)
+        assert await b.acked_through(seq, 0, wait_s=0)  # nothing reported yet: epoch 1 may checkpoint
+        await b.report(seq, {"epoch": 1})
+        waiting = asyncio.ensure_future(b.acked_through(seq, 1, wait_s=10))
+        await settle()
+        assert not waiting.done()
+        await b.ack("a", seq, 1)
+        assert await waiting is True
+        await b.report(seq, {"epoch": 2})
+        waiting = asyncio.ensure_future(b.acked_through(seq, 2, wait_s=10))
+        await settle()
+        await asyncio.wait_for(b.close(wait_s=0), 5)  # Ctrl-C: the sweep closes its slots
+        assert await waiting is False  # no checkpoint of epoch 3
+        assert await b.report(seq, {"epoch": 3}) is False
+        # a trial function that stopped relaying fails its trial instead of leaving it silently short
+        b2 = Broker(1, Fits().launch)
+        seq2 = await b2.submit("b", trial(), "/runs/b", 0)
+        await b2.next_assignment(0, None)
+        await b2.report(seq2, {"epoch": 1})
+        assert await b2.acked_through(seq2, 1, wait_s=0.05) is False
+        assert "Tune took none" in (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
+
+    run(go())
