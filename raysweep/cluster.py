@@ -111,6 +111,18 @@ def connect(address: str | None, config: SweepConfig, verbose: bool) -> bool:
     return True
 
 
+def trial_driver_node() -> str:
+    """The node trial drivers run on (the one holding the `trial_driver` resource: the head, as cluster.yaml starts
+    it), this driver's own where it holds some: the sweep's broker and its slots' trainers live there, beside the
+    trials, never on a worker node a sweep may lose. The driver's node is not it: several raylets on one machine
+    share an IP, and a driver joining with --address may attach to any of them."""
+    import ray
+
+    mine = ray.get_runtime_context().get_node_id()
+    holders = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(TRIAL_DRIVER, 0) >= 1]
+    return mine if mine in holders else holders[0]
+
+
 @dataclass(frozen=True)
 class Plan:
     trials_at_once: int

@@ -350,7 +350,7 @@ class SlotPlan:
     storage_path: str  # the slots' Ray Train runs live at <storage_path>/slot-<n> (no checkpoints: trials keep theirs)
     env: dict  # worker environment (cluster.worker_env)
     compile_cache: str | None
-    node_id: str  # the driver's node: slot hosts and their controllers stay beside it, off the workers' nodes
+    node_id: str  # the trial drivers' node (cluster.trial_driver_node): the broker, slot hosts and their controllers
 
 
 _ACTIVE: dict[str, object] = {}  # this driver's brokers, by the sweep's folder (a driver runs one sweep at a time)
@@ -363,7 +363,7 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
 
     broker_class, _ = _actor_classes()
     broker = broker_class.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=True)).remote(capacity, plan)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False)).remote(capacity, plan)
     _ACTIVE[experiment_path] = broker
     return broker
 
@@ -418,7 +418,7 @@ def _actor_classes():
         async def _launch(self, slot_id: int, trial: dict) -> None:
             me = ray.get_runtime_context().current_actor
             host = SlotHost.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=True)).remote()
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False)).remote()
             try:
                 await host.run.remote(self.plan, slot_id, trial, me)
             finally:

@@ -158,7 +158,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     on the store (tracking.reconcile_orphans).
     """
     from raysweep import console, slots, tracking
-    from raysweep.cluster import connect, plan_concurrency, worker_env
+    from raysweep.cluster import connect, plan_concurrency, trial_driver_node, worker_env
     from raysweep.data import load_data
 
     t_start = time.monotonic()
@@ -184,7 +184,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         compile_cache = storage.join(experiment_path, "compile_cache")
         broker = slots.open_broker(experiment_path, plan.trials_at_once, slots.SlotPlan(
             ray.put(data), storage.join(experiment_path, "slots"), worker_env(compile_cache), compile_cache,
-            ray.get_runtime_context().get_node_id()))
+            trial_driver_node()))
         # the groups start building now, while MLflow opens and Tune starts (every trial of a spec has its scaling)
         broker.prewarm.remote(config.trial(config.default_knobs(), len(data.train), batch_cap).to_dict(),
                               min(plan.trials_at_once, num_samples))

@@ -141,7 +141,7 @@ def slot_worker(config: dict) -> None:
         if fresh and assignment.get("slot_opened_at") is not None:  # the group was built for this trial
             stamps.update(slot_asked=assignment["slot_opened_at"], group_started=group_started, data_ready=data_ready)
         else:  # a warm group: it only had to hear of the trial
-            stamps.update(slot_asked=picked, group_started=picked, data_ready=data_ready)
+            stamps.update(slot_asked=picked, group_started=picked, data_ready=picked)
         fresh = False
         seq, timeline, sent = assignment["seq"], stamps, 0
 
