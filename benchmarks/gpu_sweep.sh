@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The start-up issue's GPU sweep (issue 21), for a lent GPU machine: `tune` of search_spaces/one_gpu.yaml cut to
+# 4 trials x 8 epochs on 20,000 synthetic images, through Ray (NCCL, one GPU worker), ASHA and MLflow. Its output,
+# with every trial's `up ... started in` line and the closing `busy` line, goes to $OUT/gpu_sweep.txt.
+#
+# The machine lacks Ray and MLflow: pack them here once (git-ignored archive, ~45 MB),
+#   bash ../shared/gpu/device_site.sh python .device_site.tar.xz
+# then one device call:
+#   run(command="bash benchmarks/gpu_sweep.sh", carry=[".device_site.tar.xz"], timeout_s=600)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu_suite_out}
+mkdir -p "$OUT"
+if ! python3 -c "import ray, mlflow" 2>/dev/null; then
+    [[ -f .device_site.tar.xz ]] || { echo "gpu_sweep: no Ray/MLflow here and no .device_site.tar.xz to unpack" >&2; exit 2; }
+    tar -xJf .device_site.tar.xz -C /tmp
+    export PYTHONPATH=/tmp/device_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+WORK=$(mktemp -d)
+cd "$WORK"
+python3 -m raysweep tune "$ROOT/search_spaces/one_gpu.yaml" --set storage_path="$WORK/results" \
+    --set data.synthetic.train_size=20000 --set data.synthetic.val_size=2000 --set tune.num_samples=4 \
+    --set train.epochs=8 --set train.checkpoint_every=2 \
+    --set 'tune.asha={max_t: 8, grace_period: 2, reduction_factor: 2}' --set 'search.warmup_epochs={randint: [0, 2], default: 1}' \
+    2>&1 | tee "$OUT/gpu_sweep.txt"
