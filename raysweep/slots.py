@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 ASK_WAIT_S = 5.0  # one long poll (a slot asking for work, a trial waiting for reports) waits at most this long
 DECISION_WAIT_S = 60.0  # the longest a slot waits for Tune's decision at a rung before it goes on anyway
 CLOSE_WAIT_S = 60.0  # at the end of a sweep, how long retiring slots may take to leave before they are killed
+GONE_WAIT_S = 20.0  # then how long their actors (killed, or out of scope) may take to be gone
+SLOT_ACTORS = frozenset({"BrokerActor", "SlotHost", "TrainController", "RayTrainWorker"})
 
 
 def scaling_key(trial: dict) -> str:
@@ -387,6 +389,31 @@ def close_broker(experiment_path: str) -> None:
     except Exception as e:  # the broker already gone (Ray shutting down): nothing to retire
         log.debug("closing the slots: %s", e)
     ray.kill(broker)  # the slot hosts it owns, their controllers and workers go with it
+    _wait_gone(SLOT_ACTORS, GONE_WAIT_S)
+
+
+def _wait_gone(class_names: frozenset[str], wait_s: float) -> None:
+    """Wait until none of this driver's actors of `class_names` is alive. Ray ends a killed or unreferenced
+    actor asynchronously, so without this a sweep's controller could outlive `tune` by a moment (and a next
+    sweep in the same process find its resources still held)."""
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            alive = [a.class_name for a in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
+                                                       limit=10_000, raise_on_missing_output=False)
+                     if a.class_name in class_names]
+        except Exception as e:  # no state API (no dashboard): nothing to wait on
+            log.debug("listing actors: %s", e)
+            return
+        if not alive or time.monotonic() > deadline:
+            if alive:
+                log.warning("%s still alive %.0f s after the sweep closed its slots", sorted(alive), wait_s)
+            return
+        time.sleep(0.2)
 
 
 @functools.cache
