@@ -96,6 +96,7 @@ class Broker:
         self.trials: dict[str, Assignment] = {}  # trial id → its latest assignment
         self.changed = asyncio.Condition()
         self.seq = self.next_slot = 0
+        self.stored: dict[str, int] = {}  # trial id → the last epoch the driver's MLflow writer holds
         self.busy_s = 0.0  # seconds the slots spent training and evaluating (every epoch's epoch_time_s)
         self.closing = False
         self.tasks: set = set()  # the slots' watchers (a task with no reference may be collected mid-run)
@@ -202,19 +203,30 @@ class Broker:
             await self._wait(lambda: a.acked >= count or a.cancelled or a.done, DECISION_WAIT_S)
         return not a.cancelled
 
-    async def acked_through(self, seq: int, count: int, wait_s: float = DECISION_WAIT_S) -> bool:
-        """Whether Tune has taken the assignment's first `count` reports (waiting for it): a checkpoint may be
-        written only then. Otherwise a driver that stops (Ctrl-C) while the slot runs ahead would leave a
-        checkpoint past epochs no tracker ever heard of, and the resumed trial, which re-sends only its
-        checkpoint's own epoch, would leave a hole in its history. False: ended, or no answer in `wait_s`."""
+    async def recorded_through(self, seq: int, epoch: int, wait_s: float = DECISION_WAIT_S) -> bool:
+        """Whether the store holds the assignment's trial through `epoch` (waiting for it): a checkpoint after
+        `epoch` may be written only then. Otherwise a driver that stops (Ctrl-C, a kill) while the slot runs ahead
+        would leave a checkpoint past epochs no tracker ever recorded, and the resumed trial, which re-sends only
+        its checkpoint's own epoch, would leave a hole in its history. False: ended, or no answer in `wait_s`."""
         a = self._assignment(seq)
         if a is None:
             return False
-        await self._wait(lambda: a.acked >= count or a.cancelled or a.done, wait_s)
-        if a.acked < count and not a.cancelled and not a.done:  # a trial function that no longer relays
-            self._finish(a, failure=f"Tune took none of the trial's last reports in {wait_s:.0f} s")
+
+        def held():
+            return self.stored.get(a.trial_id, 0) >= epoch
+
+        await self._wait(lambda: held() or a.cancelled or a.done, wait_s)
+        if not held() and not a.cancelled and not a.done:  # a driver that no longer records
+            self._finish(a, failure=f"MLflow recorded none of the trial's epochs after "
+                                    f"{self.stored.get(a.trial_id, 0)} in {wait_s:.0f} s")
             await self._changed()
-        return a.acked >= count and not a.cancelled and not a.done
+        return held() and not a.cancelled and not a.done
+
+    async def recorded(self, trial_id: str, epoch: int) -> None:
+        """The driver's MLflow writer holds the trial's epochs through `epoch` (tracking.make_mlflow_callback)."""
+        if epoch > self.stored.get(trial_id, 0):
+            self.stored[trial_id] = epoch
+            await self._changed()
 
     async def ack(self, trial_id: str, seq: int, count: int) -> None:
         """Tune took the trial's first `count` reports and let it go on."""
@@ -373,6 +385,14 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
 def active(experiment_path: str):
     """The broker of the sweep this driver runs at `experiment_path` (None: none, or it closed)."""
     return _ACTIVE.get(experiment_path)
+
+
+def recorded(experiment_path: str, trial_id: str, epoch: int) -> None:
+    """Tell the sweep's broker the store holds `trial_id` through `epoch` (the MLflow callback's `on_recorded`,
+    a partial of this: it pickles with the experiment, and a resumed sweep's finds the new broker)."""
+    broker = active(experiment_path)
+    if broker is not None:
+        broker.recorded.remote(trial_id, epoch)
 
 
 def close_broker(experiment_path: str) -> None:

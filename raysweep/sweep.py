@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -205,10 +206,12 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
             callbacks = [make_sweep_clock(experiment_path),  # first: the others log what it adds
                          tracking.make_mlflow_callback(tracking_uri, experiment_id, parent_run_id, config,
-                                                       context.train_size),
+                                                       context.train_size,
+                                                       functools.partial(slots.recorded, experiment_path)),
                          console.make_console_callback(progress)]
             results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
                              callbacks, scheduler).fit()
+            tracking.flush_writes(parent_run_id)  # the trials' runs whole before anything reads or ends them
         wall_s = time.monotonic() - t_start
         busy = busy_share(ray.get(broker.state.remote())["busy_s"], wall_s, plan.trials_at_once)
         tracking.log_sweep_figures(tracking_uri, parent_run_id, {"busy_share": busy, "sweep_wall_s": wall_s})
@@ -247,6 +250,10 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     except BaseException as e:
         if parent_run_id is not None and not ended:
             interrupted = isinstance(e, KeyboardInterrupt)
+            try:
+                tracking.flush_writes(parent_run_id)  # what the trials reported, then their ending
+            except Exception as mlflow_error:
+                log.error("MLflow writes of run %s: %s", parent_run_id, mlflow_error)
             try:
                 tracking.end_sweep(tracking_uri, parent_run_id, "KILLED" if interrupted else "FAILED",
                                    error=None if interrupted else _cause(e))

@@ -189,28 +189,95 @@ def _set_tags(client, run_id: str, tags: dict) -> None:
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
-def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: str, config, train_size: int):
-    """The `ray.tune.Callback` that does all of a sweep's MLflow writing, on the driver.
+class Writer:
+    """A sweep's MLflow writes, in the order they were put, on a thread of their own: Tune's loop (ASHA's decisions,
+    the next trial's start, every slot waiting at a rung) never waits on the store, which is tens of ms a write on
+    SQLite and more on a remote server, for every trial's every epoch.
+
+    `flush` waits for everything put so far. The first write that fails stops the writer: the ones after it are
+    dropped (they would land out of order) and the error is raised by the next `put` or `flush`, so a store that
+    fails ends the sweep as it did when the callback wrote inline."""
+
+    def __init__(self, name: str):
+        import queue
+        import threading
+
+        self.name, self.error = name, None
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"mlflow-writer {name}", daemon=True)
+        self.thread.start()
+
+    def put(self, write) -> None:
+        self._raise()
+        self.queue.put(write)
+
+    def flush(self) -> None:
+        self.queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"MLflow write failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while True:
+            write = self.queue.get()
+            try:
+                if self.error is None:
+                    write()
+            except BaseException as e:  # kept for the caller: this thread has no one to raise to
+                log.error("MLflow write for %s failed: %s: %s", self.name, type(e).__name__, e)
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+
+_WRITERS: dict[str, Writer] = {}  # this driver's writers, by parent run (the callback Tune restores finds its own)
+
+
+def writer(parent_run_id: str) -> Writer:
+    """The sweep's MLflow writer (one per parent run in this process), started on first use."""
+    if parent_run_id not in _WRITERS:
+        _WRITERS[parent_run_id] = Writer(parent_run_id)
+    return _WRITERS[parent_run_id]
+
+
+def flush_writes(parent_run_id: str) -> None:
+    """Wait until every queued write of the sweep is in the store (raises the first that failed). Before anything
+    that reads the store or ends runs: the sweep's end, its summary, Ctrl-C."""
+    if parent_run_id in _WRITERS:
+        _WRITERS[parent_run_id].flush()
+
+
+def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: str, config, train_size: int,
+                         on_recorded=None):
+    """The `ray.tune.Callback` that does all of a sweep's MLflow writing, on the driver, through the sweep's
+    `Writer` (off Tune's loop: `flush_writes` before reading the store).
 
     One child run per trial under the parent: params at trial start (knobs + derived), metrics per
     report with step = epoch, and the final status: FINISHED (reached max_t), KILLED + stopped_by=asha
     (cut early), FAILED + error tag. Run ids live in get_state/set_state so a restored sweep keeps
-    writing to the same runs.
+    writing to the same runs. `on_recorded(trial_id, epoch)` (picklable: Tune pickles callbacks) is told,
+    after each write of a result, the last epoch the store holds for the trial (a slot checkpoints only
+    past epochs the store holds: slots.Broker.recorded_through).
 
     MLflow appends: an epoch reported again (a worker group restarted from an older checkpoint, a
     resumed trial) would be a second value at the same step. The callback keeps the last epoch it
     logged per run (in its state too) and skips anything at or below it; after a restore it reads that
     epoch back from the store, which the last saved state may trail.
     """
+    import threading
+
     from ray.tune import Callback
 
     class MLflowSweepCallback(Callback):
         def __init__(self):
             self.tracking_uri, self.experiment_id, self.parent_run_id = tracking_uri, experiment_id, parent_run_id
-            self.config, self.train_size = config, train_size
+            self.config, self.train_size, self.on_recorded = config, train_size, on_recorded
             self.runs: dict[str, str] = {}  # trial id → MLflow run id
             self.logged: dict[str, int] = {}  # trial id → last epoch logged
             self._client = None
+            self._lock = threading.Lock()  # runs and logged: written on the writer's thread, read by get_state
 
         @property
         def client(self):
@@ -220,11 +287,20 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
                 self._client = MlflowClient(self.tracking_uri)
             return self._client
 
-        def __getstate__(self):  # Tune pickles callbacks with the experiment; a client is not state
-            return {**self.__dict__, "_client": None}
+        def __getstate__(self):  # Tune pickles callbacks with the experiment; a client and a lock are not state
+            return {**self.__dict__, "_client": None, "_lock": None}
+
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+            self._lock = threading.Lock()
+            self.__dict__.setdefault("on_recorded", None)  # a sweep pickled before the writer
+
+        def _put(self, write) -> None:
+            writer(self.parent_run_id).put(write)
 
         def get_state(self) -> dict:
-            return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id, "logged": dict(self.logged)}
+            with self._lock:
+                return {"runs": dict(self.runs), "parent_run_id": self.parent_run_id, "logged": dict(self.logged)}
 
         def set_state(self, state: dict) -> None:
             self.runs.update(state["runs"])
@@ -233,24 +309,31 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             for trial_id, run_id in self.runs.items():  # the store is the truth: the state may trail it
                 self._read_logged(trial_id, run_id)
 
+        def on_experiment_end(self, trials, **info):
+            flush_writes(self.parent_run_id)
+
         def _read_logged(self, trial_id: str, run_id: str) -> None:
             """The last epoch the store holds for a run (it may be ahead of the saved state)."""
             history = self.client.get_metric_history(run_id, "epoch")
-            self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
+            with self._lock:
+                self.logged[trial_id] = max([int(m.step) for m in history] + [self.logged.get(trial_id, 0)])
 
-        def _run_for(self, trial) -> str:
-            run_id = self.runs.get(trial.trial_id) or self._existing_run(trial.trial_id)
+        def _run_for(self, trial_id: str, knobs: dict) -> str:
+            run_id = self.runs.get(trial_id) or self._existing_run(trial_id)
             if run_id is not None:
-                self.runs[trial.trial_id] = run_id
+                with self._lock:
+                    self.runs[trial_id] = run_id
             else:
                 from mlflow.entities import Param
 
-                tags = {"mlflow.parentRunId": self.parent_run_id, "trial_id": trial.trial_id}
-                if self.config.is_baseline(dict(trial.config)):
+                tags = {"mlflow.parentRunId": self.parent_run_id, "trial_id": trial_id}
+                if self.config.is_baseline(knobs):
                     tags["raysweep.baseline"] = "true"
-                run = self.client.create_run(self.experiment_id, run_name=trial.trial_id, tags=tags)
-                run_id = self.runs[trial.trial_id] = run.info.run_id
-                params = self.config.trial(dict(trial.config), self.train_size).params()
+                run = self.client.create_run(self.experiment_id, run_name=trial_id, tags=tags)
+                run_id = run.info.run_id
+                with self._lock:
+                    self.runs[trial_id] = run_id
+                params = self.config.trial(knobs, self.train_size).params()
                 self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
             return run_id
 
@@ -265,47 +348,71 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             self._read_logged(trial_id, run_id)
             return run_id
 
+        # Tune's events: what a write needs is taken now (the trial object changes); the write goes to the writer
+
         def on_trial_start(self, iteration, trials, trial, **info):
-            run_id = self._run_for(trial)
-            if self.client.get_run(run_id).info.status != "RUNNING":  # resumed: interrupted runs were KILLED
-                reopen(self.client, run_id)
+            trial_id, knobs = trial.trial_id, dict(trial.config)
+
+            def write():
+                run_id = self._run_for(trial_id, knobs)
+                if self.client.get_run(run_id).info.status != "RUNNING":  # resumed: interrupted runs were KILLED
+                    reopen(self.client, run_id)
+
+            self._put(write)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            from mlflow.entities import Metric, Param
-
-            run_id = self._run_for(trial)
+            trial_id, knobs = trial.trial_id, dict(trial.config)
             step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
-            last = self.logged.get(trial.trial_id, 0)
-            if step <= last:  # reported again after a restart: MLflow already holds this epoch
-                return
-            metrics = [Metric(k, float(result[k]), now, step) for k in (*METRIC_NAMES, *STARTUP_NAMES) if k in result]
-            params = []
-            if last == 0:  # known only on the workers (after their start-up probe step)
-                params = [Param(k, str(result[k])) for k in WORKER_PARAMS if k in result]
-            try:
-                self.client.log_batch(run_id, metrics=metrics, params=params)
-            except Exception:  # a param logged before with another value (a restart on other nodes)
-                self.client.log_batch(run_id, metrics=metrics)
-            self.logged[trial.trial_id] = step
+            values = {k: float(result[k]) for k in (*METRIC_NAMES, *STARTUP_NAMES) if k in result}
+            worker_params = {k: str(result[k]) for k in WORKER_PARAMS if k in result}
+
+            def write():
+                from mlflow.entities import Metric, Param
+
+                run_id = self._run_for(trial_id, knobs)
+                last = self.logged.get(trial_id, 0)
+                if step > last:  # else reported again after a restart: MLflow already holds this epoch
+                    metrics = [Metric(k, v, now, step) for k, v in values.items()]
+                    params = [Param(k, v) for k, v in worker_params.items()] if last == 0 else []  # known after the probe
+                    try:
+                        self.client.log_batch(run_id, metrics=metrics, params=params)
+                    except Exception:  # a param logged before with another value (a restart on other nodes)
+                        self.client.log_batch(run_id, metrics=metrics)
+                    with self._lock:
+                        self.logged[trial_id] = step
+                if self.on_recorded is not None:
+                    self.on_recorded(trial_id, self.logged.get(trial_id, 0))
+
+            self._put(write)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            run_id = self._run_for(trial)
+            trial_id, knobs = trial.trial_id, dict(trial.config)
             view = TrialView.of_trial(trial, self.config.max_t, ended="complete")
-            if view.status == "finished":
-                self.client.set_terminated(run_id, status="FINISHED")
-            else:
-                self.client.set_tag(run_id, "stopped_by", "asha")
-                self.client.set_tag(run_id, "stopped_at_epoch", str(view.epoch))
-                self.client.set_terminated(run_id, status="KILLED")
+
+            def write():
+                run_id = self._run_for(trial_id, knobs)
+                if view.status == "finished":
+                    self.client.set_terminated(run_id, status="FINISHED")
+                else:
+                    self.client.set_tag(run_id, "stopped_by", "asha")
+                    self.client.set_tag(run_id, "stopped_at_epoch", str(view.epoch))
+                    self.client.set_terminated(run_id, status="KILLED")
+
+            self._put(write)
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            run_id = self._run_for(trial)
+            trial_id, knobs = trial.trial_id, dict(trial.config)
             line = TrialView.of_trial(trial, self.config.max_t, ended="error").error
-            self.client.set_tag(run_id, "error", line[:5000])
-            kind = failure_kind(line)
-            if kind:
-                self.client.set_tag(run_id, "failure", kind)
-            self.client.set_terminated(run_id, status="FAILED")
+
+            def write():
+                run_id = self._run_for(trial_id, knobs)
+                self.client.set_tag(run_id, "error", line[:5000])
+                kind = failure_kind(line)
+                if kind:
+                    self.client.set_tag(run_id, "failure", kind)
+                self.client.set_terminated(run_id, status="FAILED")
+
+            self._put(write)
 
     return MLflowSweepCallback()
 

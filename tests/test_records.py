@@ -83,6 +83,60 @@ def test_an_exception_inside_the_sweep_ends_the_parent_and_the_running_trial_fai
         assert "injected: the console broke at epoch 2" in run.data.tags["error"], run.data.tags
 
 
+def test_mlflow_writes_leave_tunes_loop_at_once_land_in_order_and_only_then_tell_the_slots(tmp_path, monkeypatch):
+    """Tune's loop never waits on the store: with every MLflow write held back, the callback's events return at
+    once; released, the writes land in the order Tune saw them, and only a written epoch is announced to the
+    slots (a checkpoint waits for it: slots.Broker.recorded_through). A store that fails fails the next event."""
+    import threading
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    config = load_config(spec)
+    uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
+    experiment_id, parent = tracking.open_sweep(uri, config.experiment_name, "sweep", {}, spec_yaml(config))
+    stored = []
+    callback = tracking.make_mlflow_callback(uri, experiment_id, parent, config, 64,
+                                             lambda trial_id, epoch: stored.append((trial_id, epoch)))
+    gate, real = threading.Event(), MlflowClient.log_batch
+
+    def held(self, *args, **kwargs):
+        assert gate.wait(60)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", held)
+    trial = SimpleNamespace(trial_id="t1", config=config.default_knobs())
+
+    def events():
+        callback.on_trial_start(0, [], trial)
+        for epoch in (1, 2, 2, 3):  # epoch 2 twice: a restarted group re-sends its checkpoint's epoch
+            callback.on_trial_result(0, [], trial, {"epoch": epoch, "train_loss": 1.0 / epoch})
+
+    tune_loop = threading.Thread(target=events)
+    tune_loop.start()
+    tune_loop.join(30)
+    assert not tune_loop.is_alive() and stored == []  # every event returned; nothing is in the store yet
+    gate.set()
+    tracking.flush_writes(parent)
+    run_id = callback.get_state()["runs"]["t1"]
+    history = _client(uri).get_metric_history(run_id, "train_loss")
+    assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
+    assert stored == [("t1", 1), ("t1", 2), ("t1", 2), ("t1", 3)]
+    assert callback.get_state()["logged"] == {"t1": 3}
+
+    def down(self, *args, **kwargs):
+        raise ConnectionError("the tracking server is down")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", down)
+    callback.on_trial_result(0, [], trial, {"epoch": 4, "train_loss": 0.2})
+    with pytest.raises(RuntimeError, match="MLflow write failed: ConnectionError: the tracking server is down"):
+        tracking.flush_writes(parent)
+    with pytest.raises(RuntimeError, match="MLflow write failed"):
+        callback.on_trial_result(0, [], trial, {"epoch": 5, "train_loss": 0.1})
+    assert stored[-1] == ("t1", 3)
+
+
 def test_runs_whose_driver_is_gone_are_ended_by_the_next_command_on_the_store(tmp_path):
     spec = write_spec(tmp_path, tiny_spec(tmp_path))
     dead = _dead_pid()

@@ -218,32 +218,44 @@ def test_a_slot_waits_for_tunes_decision_only_at_the_epochs_where_asha_decides(t
     run(go())
 
 
-def test_a_checkpoint_waits_until_tune_holds_every_earlier_report_and_close_stops_what_runs():
-    """A slot runs ahead of Tune by at most one report: it checkpoints epoch k only once Tune has taken every
-    report before it, so a driver stopped in between leaves no checkpoint past epochs MLflow never heard of."""
+def test_a_checkpoint_waits_until_the_store_holds_every_earlier_epoch_and_close_stops_what_runs():
+    """A slot runs ahead of the driver's MLflow writer by at most one epoch: it checkpoints epoch k only once the
+    store holds every epoch before it, so a driver stopped in between leaves no checkpoint past epochs MLflow
+    never recorded."""
     async def go():
         b = Broker(1, Fits().launch)
         seq = await b.submit("a", trial(), "/runs/a", 0)
         await b.next_assignment(0, None)
-        assert await b.acked_through(seq, 0, wait_s=0)  # nothing reported yet: epoch 1 may checkpoint
+        assert await b.recorded_through(seq, 0, wait_s=0)  # nothing before epoch 1: it may checkpoint
         await b.report(seq, {"epoch": 1})
-        waiting = asyncio.ensure_future(b.acked_through(seq, 1, wait_s=10))
+        waiting = asyncio.ensure_future(b.recorded_through(seq, 1, wait_s=10))
         await settle()
         assert not waiting.done()
-        await b.ack("a", seq, 1)
+        await b.ack("a", seq, 1)  # Tune let it go on: not enough, the store must hold it
+        await settle()
+        assert not waiting.done()
+        await b.recorded("a", 1)
         assert await waiting is True
         await b.report(seq, {"epoch": 2})
-        waiting = asyncio.ensure_future(b.acked_through(seq, 2, wait_s=10))
+        waiting = asyncio.ensure_future(b.recorded_through(seq, 2, wait_s=10))
         await settle()
         await asyncio.wait_for(b.close(wait_s=0), 5)  # Ctrl-C: the sweep closes its slots
         assert await waiting is False  # no checkpoint of epoch 3
         assert await b.report(seq, {"epoch": 3}) is False
-        # a trial function that stopped relaying fails its trial instead of leaving it silently short
+        # what the store holds is the trial's, not the assignment's: a retry that re-sent a logged epoch goes on
         b2 = Broker(1, Fits().launch)
-        seq2 = await b2.submit("b", trial(), "/runs/b", 0)
+        await b2.recorded("r", 4)
+        seq_r = await b2.submit("r", trial(), "/runs/r", 0)
         await b2.next_assignment(0, None)
+        assert await b2.recorded_through(seq_r, 4, wait_s=0)
+        await b2.recorded("r", 2)  # a late, older notice does not move it back
+        assert await b2.recorded_through(seq_r, 4, wait_s=0)
+        # a driver that stopped recording fails the trial instead of leaving it silently short
+        seq2 = await b2.submit("b", trial(), "/runs/b", 0)
+        await b2.end("r")
+        await b2.next_assignment(0, seq_r)
         await b2.report(seq2, {"epoch": 1})
-        assert await b2.acked_through(seq2, 1, wait_s=0.05) is False
-        assert "Tune took none" in (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
+        assert await b2.recorded_through(seq2, 1, wait_s=0.05) is False
+        assert "MLflow recorded none of the trial's epochs after 0" in (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
 
     run(go())

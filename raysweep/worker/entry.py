@@ -143,22 +143,22 @@ def slot_worker(config: dict) -> None:
         else:  # a warm group: it only had to hear of the trial
             stamps.update(slot_asked=picked, group_started=picked, data_ready=picked)
         fresh = False
-        seq, timeline, sent = assignment["seq"], stamps, 0
+        seq, timeline = assignment["seq"], stamps
 
         def send(payload: dict, epoch: int | None, run=run, run_dir=run_dir, seq=seq) -> bool:
-            nonlocal timeline, sent
+            nonlocal timeline
             due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch == run.trial.train.epochs)
             go = True
             if rank == 0:
-                # a checkpoint only once Tune holds every earlier report (Broker.acked_through): usually at once
-                if due and not ray.get(broker.acked_through.remote(seq, sent)):
-                    go = False  # the trial was ended (or its driver stopped): no checkpoint past what it heard
+                # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
+                # at once (MLflow wrote the last epoch while this one trained)
+                if due and not ray.get(broker.recorded_through.remote(seq, epoch - 1)):
+                    go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
                 else:
                     if due:
                         save_checkpoint(run_dir, epoch, run.state(epoch, payload))
                     go = ray.get(broker.report.remote(seq, payload, timeline if epoch is not None else None,
                                                       epoch is None))
-                    sent += 1
                 if epoch is not None:
                     timeline = None
             return agree(go, device)
