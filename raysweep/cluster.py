@@ -291,7 +291,16 @@ def _trainer_class():
     the first report. raysweep's data travels as one object ref, never as Ray Datasets.
     `tests/test_train_ray.py` checks that a trial starts no DatasetManager, so a Ray upgrade that renames
     this private hook fails there.
+
+    And `fit()` puts back the SIGINT handler it found. Called on a main thread, Train V2's fit() installs
+    one that aborts its controller (ray-project/ray#53600) and never removes it: that handler holds the
+    controller's handle, so the TrainController stays alive after fit() returns, as long as the process
+    does (a `probe` in a driver that goes on, a test session), and the process's Ctrl-C keeps going to a
+    run that ended. `tests/test_train_ray.py` checks that no controller outlives its fit().
     """
+    import signal
+    import threading
+
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
@@ -301,5 +310,14 @@ def _trainer_class():
             if self.datasets:
                 return callbacks
             return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+        def fit(self):
+            if threading.current_thread() is not threading.main_thread():
+                return super().fit()
+            handler = signal.getsignal(signal.SIGINT)
+            try:
+                return super().fit()
+            finally:
+                signal.signal(signal.SIGINT, handler)
 
     return CaptchaTrainer

@@ -367,6 +367,7 @@ class SlotPlan:
     node_id: str  # the trial drivers' node (cluster.trial_driver_node): the broker, slot hosts and their controllers
 
 
+_BEFORE: dict[str, set[str] | None] = {}  # the slot actors alive when each sweep opened (close_broker)
 _ACTIVE: dict[str, object] = {}  # this driver's brokers, by the sweep's folder (a driver runs one sweep at a time)
 
 
@@ -376,6 +377,7 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     broker_class, _ = _actor_classes()
+    _BEFORE[experiment_path] = _slot_actor_ids()  # what close_broker waits to see gone is what starts after this
     broker = broker_class.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False)).remote(capacity, plan)
     _ACTIVE[experiment_path] = broker
@@ -409,29 +411,37 @@ def close_broker(experiment_path: str) -> None:
     except Exception as e:  # the broker already gone (Ray shutting down): nothing to retire
         log.debug("closing the slots: %s", e)
     ray.kill(broker)  # the slot hosts it owns, their controllers and workers go with it
-    _wait_gone(SLOT_ACTORS, GONE_WAIT_S)
+    _wait_gone(_BEFORE.pop(experiment_path, None), GONE_WAIT_S)
 
 
-def _wait_gone(class_names: frozenset[str], wait_s: float) -> None:
-    """Wait until none of this driver's actors of `class_names` is alive. Ray ends a killed or unreferenced
-    actor asynchronously, so without this a sweep's controller could outlive `tune` by a moment (and a next
-    sweep in the same process find its resources still held)."""
+def _slot_actor_ids() -> set[str] | None:
+    """Ids of this driver's live actors of the kinds a sweep's slots start (None: no state API to ask)."""
     import ray
     from ray.util.state import list_actors
 
     job = ray.get_runtime_context().get_job_id()
+    try:
+        return {a.actor_id for a in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
+                                                limit=10_000, raise_on_missing_output=False)
+                if a.class_name in SLOT_ACTORS}
+    except Exception as e:  # no dashboard: nothing to wait on
+        log.debug("listing actors: %s", e)
+        return None
+
+
+def _wait_gone(before: set[str] | None, wait_s: float) -> None:
+    """Wait until none of the slot actors started since `before` (open_broker's snapshot) is alive. Ray ends a
+    killed or unreferenced actor asynchronously, so without this a sweep's controller could outlive `tune` by a
+    moment (and a next sweep in the same process find its resources still held)."""
+    if before is None:
+        return
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            alive = [a.class_name for a in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
-                                                       limit=10_000, raise_on_missing_output=False)
-                     if a.class_name in class_names]
-        except Exception as e:  # no state API (no dashboard): nothing to wait on
-            log.debug("listing actors: %s", e)
-            return
-        if not alive or time.monotonic() > deadline:
-            if alive:
-                log.warning("%s still alive %.0f s after the sweep closed its slots", sorted(alive), wait_s)
+        alive = _slot_actor_ids()
+        left = (alive or set()) - before
+        if not left or time.monotonic() > deadline:
+            if left:
+                log.warning("%d slot actor(s) still alive %.0f s after the sweep closed its slots", len(left), wait_s)
             return
         time.sleep(0.2)
 

@@ -1,6 +1,8 @@
 """One trial on the real local Ray cluster: 2 CPU workers, gloo, real MLflow on SQLite."""
 
 import json
+import signal
+import time
 
 import pytest
 
@@ -154,10 +156,20 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
     def actors():  # alive or dead: the GCS keeps the records of finished actors
         return {a.actor_id: a.class_name for a in list_actors(limit=10_000, raise_on_missing_output=False)}
 
-    before = actors()
+    before, handler = actors(), signal.getsignal(signal.SIGINT)
     _, reports = _fit(tmp_path, "helpers", ["train.epochs=1"], data_ref)
     assert [r["epoch"] for r in reports] == [1]
     started = [name for actor_id, name in actors().items() if actor_id not in before]  # this run's only
     assert started.count("RayTrainWorker") == 2  # the query sees this run's actors
     assert "TrainController" in started
     assert "DatasetManager" not in started and "PreemptionWatcher" not in started
+    # and none outlives its fit() (called here on the main thread, where Train V2 leaves a SIGINT handler
+    # holding its controller: cluster._trainer_class puts the old one back); Ray ends actors asynchronously
+    mine = {actor_id for actor_id, name in actors().items()  # (Ray's autoscaling coordinator lives on, detached)
+            if actor_id not in before and name in ("TrainController", "RayTrainWorker")}
+    deadline = time.monotonic() + 30
+    while alive := [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000,
+                                                      raise_on_missing_output=False) if a.actor_id in mine]:
+        assert time.monotonic() < deadline, f"alive after fit() returned: {alive}"
+        time.sleep(0.5)
+    assert signal.getsignal(signal.SIGINT) is handler
