@@ -1,11 +1,12 @@
 """What Ray Train costs a raysweep trial: steady-state epoch time in a TorchTrainer against the same
 loop run bare in one process, and seconds from `fit()` to the first reported epoch.
 
-Both sides run the same `TrainingRun` (build, then per epoch: train, evaluate, reduce, checkpoint)
-on the same data with 1 worker. Bare: epochs timed back to back, a torch.save of the checkpoint each
-epoch; a run's figure is the mean of epochs 2... Ray: a `UserCallback` in the controller stamps each
-report, so the interval between reports includes everything Ray adds (report barrier, checkpoint
-upload); a run's figure is (last stamp − first) ÷ intervals. The controller sees reports only when
+Both sides run the same `TrainingRun` (build, then per epoch: train, evaluate, reduce) on the same
+data with 1 worker, neither checkpointing (a trial on its own group keeps no checkpoints since warm
+groups; a warm slot's own checkpoint costs the same either way). Bare: epochs timed back to back; a
+run's figure is the mean of epochs 2... Ray: a `UserCallback` in the controller stamps each
+report, so the interval between reports includes everything Ray adds (the report barrier, the
+controller's poll); a run's figure is (last stamp − first) ÷ intervals. The controller sees reports only when
 it polls (every 0.2 s), so a single interval is off by up to 0.2 s while the span is off by that much
 only at its two ends (a median of intervals would pick one side of the poll grid).
 
@@ -72,12 +73,10 @@ def bare(config, data) -> list[float]:
     trial = config.trial(config.default_knobs(), len(data.train))
     run = TrainingRun.build(trial, data, 0, 1, torch.device("cpu"))
     times = []
-    with tempfile.TemporaryDirectory() as d:
-        for epoch in range(1, trial.train.epochs + 1):
-            t0 = time.perf_counter()
-            reported = report_dict(run.epoch(epoch), run.worker_params())
-            torch.save(run.state(epoch, reported), os.path.join(d, "state.pt"))
-            times.append(time.perf_counter() - t0)
+    for epoch in range(1, trial.train.epochs + 1):
+        t0 = time.perf_counter()
+        report_dict(run.epoch(epoch), run.worker_params())
+        times.append(time.perf_counter() - t0)
     return times
 
 
@@ -154,9 +153,11 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     # Which actor ran in which process comes from Ray's State API: a process title sampled every 50 ms can miss
     # a short-lived actor's, and an actor placed in a worker process started earlier has no new pid at all.
     for actor in list_actors(detail=True, limit=10_000):
-        if actor.actor_id in actors_before or not actor.pid:
+        if actor.actor_id in actors_before:
             continue
-        if actor.pid in seen:
+        if not actor.pid:  # the State API may hold no pid for an actor already gone: listed all the same
+            seen[actor.actor_id] = [t_fit, f"ray::{actor.class_name} (its process not seen)", float("nan")]
+        elif actor.pid in seen:
             seen[actor.pid][1] = f"ray::{actor.class_name}"
         else:
             seen[actor.pid] = [t_fit, f"ray::{actor.class_name} (in a process started before fit)", float("nan")]

@@ -203,58 +203,21 @@ def read_failure(location: str) -> tuple[str, str] | None:
     return data["kind"], data["message"]
 
 
-SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of a run's checkpoints, in the run's folder
-
-
-def recover_torn_snapshot(run_dir: str) -> str | None:
-    """Ray Train rewrites a run's checkpoint list in place, truncating it first (`CheckpointManager.
-    _write_state_to_storage`): a kill in between leaves it empty or cut, and every later fit() of that run
-    dies in `TrainController.__init__` (CheckpointManagerInitializationError), so the trial could never
-    resume. Such a file is removed and the newest checkpoint folder holding raysweep's checkpoint file is
-    returned, for the workers to load in its place (None: nothing to repair, or nothing to load).
-
-    The list is written after its newest checkpoint is fully uploaded and before the older one is deleted:
-    a run killed there holds both folders, the newer complete (seen in tests/test_resilience.py).
-    """
-    from raysweep.worker.run import CHECKPOINT_FILE
-
-    text = storage.read_text(storage.join(run_dir, SNAPSHOT_FILE))
-    if text is None:
-        return None
-    try:
-        json.loads(text)
-        return None
-    except ValueError:
-        pass
-    storage.delete(storage.join(run_dir, SNAPSHOT_FILE))
-    for name in reversed(storage.list_names(run_dir)):  # checkpoint_<timestamp>: newest last
-        if name.startswith("checkpoint_") and storage.exists(storage.join(run_dir, name, CHECKPOINT_FILE)):
-            log.warning("%s: Ray Train's checkpoint list was cut short by a kill; resuming from %s", run_dir, name)
-            return storage.join(run_dir, name)
-    log.warning("%s: Ray Train's checkpoint list was cut short by a kill and no checkpoint is left; starting over",
-                run_dir)
-    return None
-
-
 def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
                  worker_fn=None, extra_config: dict | None = None, compile_cache: str | None = None,
                  max_failures: int | None = None):
     """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
 
-    `name` must be deterministic: an existing (storage_path, name) resumes from its checkpoint (also when a
-    kill cut Ray Train's checkpoint list short: `recover_torn_snapshot`). `compile_cache`: the sweep's compile
-    cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`) must point Inductor at it.
+    No Ray Train checkpoints: a warm slot's trials keep their own, in their own folders (worker/entry.py), and a
+    trainer of `train_worker` runs one trial from epoch 1. `compile_cache`: the sweep's compile cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`) must point Inductor at it.
     `max_failures`: group restarts Ray Train may make (None: the trial's `train.max_failures`; a warm slot's
     trainer passes -1, unlimited, and the broker counts each trial's, slots.py).
     """
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-
-    from raysweep.worker.run import KEPT_CHECKPOINTS
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
     if worker_fn is None:
         from raysweep.worker.entry import train_worker as worker_fn
-    extra_config = {"resume_from": recover_torn_snapshot(storage.join(storage_path, name)),
-                    "compile_cache": compile_cache, **(extra_config or {})}
+    extra_config = {"compile_cache": compile_cache, **(extra_config or {})}
     resources = {"CPU": trial.scaling.cpus_per_worker}
     if trial.scaling.use_gpu:
         resources["GPU"] = 1
@@ -269,10 +232,8 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
             name=name,
             storage_path=storage_path,
             callbacks=list(callbacks),
-            # two: a newest checkpoint torn by a kill or a full disk has a predecessor (entry.load_state)
-            checkpoint_config=CheckpointConfig(num_to_keep=KEPT_CHECKPOINTS),
-            # worker crashes restart from the last checkpoint; a group that cannot start is retried
-            # once, so the wait is bounded by 2 × worker_start_timeout_s
+            # a worker crash restarts the group (a slot's trial resumes from its own checkpoint); a group
+            # that cannot start is retried once, so the wait is bounded by 2 × worker_start_timeout_s
             failure_config=FailureConfig(
                 max_failures=trial.train.max_failures if max_failures is None else max_failures,
                 controller_failure_limit=1),

@@ -339,7 +339,7 @@ def spec_changes(before: dict, after: dict) -> list[str]:
 @dataclass(frozen=True)
 class ResumeSummary:
     done: int  # trials that ended (finished, pruned or failed): not run again
-    running: list[tuple[str, int]]  # (trial id, last reported epoch): continue from their Train checkpoints
+    running: list[tuple[str, int]]  # (trial id, last reported epoch): continue from their own checkpoints
     pending: int  # not started yet
 
 

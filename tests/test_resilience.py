@@ -224,7 +224,7 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
         losses[epoch] = run.epoch(epoch).train_loss
         if epoch == restart_after:
             path = os.path.join(folder, f"state-rank{rank}.pt")
-            torch.save(run.state(epoch, {}), path)  # as the checkpoint saves it, read back as entry.load_state does
+            torch.save(run.state(epoch, {}), path)  # as the checkpoint saves it, read back as entry.load_latest does
             del run
             run, resumed_at = started(torch.load(path, map_location=device, weights_only=True))
             assert resumed_at == epoch + 1
@@ -281,29 +281,6 @@ def test_raysweeps_own_files_are_never_seen_half_written(tmp_path):
     writer.join()
     assert seen and all(seen), f"{seen.count(False)} of {len(seen)} reads saw a torn file"
     assert os.listdir(tmp_path) == ["marker.json"]  # no temporary file left behind
-
-
-def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    """Ray Train keeps two checkpoints (run.KEPT_CHECKPOINTS); when the newest cannot be read, the workers
-    load its predecessor instead of failing every restart on it."""
-    import ray.train
-    import torch
-
-    from raysweep.worker.run import KEPT_CHECKPOINTS
-    from raysweep.worker.entry import load_state
-    from raysweep.worker.run import CHECKPOINT_FILE
-
-    assert KEPT_CHECKPOINTS >= 2
-    for epoch, name in ((2, "checkpoint_2026-11-23_05-00-00.000001"), (4, "checkpoint_2026-11-23_05-00-09.000002")):
-        (tmp_path / name).mkdir()
-        torch.save({"epoch": epoch}, tmp_path / name / CHECKPOINT_FILE)
-    newest = tmp_path / "checkpoint_2026-11-23_05-00-09.000002"
-    assert load_state(ray.train.Checkpoint(str(newest)), torch.device("cpu"))["epoch"] == 4
-    state = (newest / CHECKPOINT_FILE).read_bytes()
-    (newest / CHECKPOINT_FILE).write_bytes(state[: len(state) // 2])  # torn mid-write
-    assert load_state(ray.train.Checkpoint(str(newest)), torch.device("cpu"))["epoch"] == 2
-    (tmp_path / "checkpoint_2026-11-23_05-00-00.000001" / CHECKPOINT_FILE).write_bytes(b"")
-    assert load_state(ray.train.Checkpoint(str(newest)), torch.device("cpu")) is None  # nothing readable: start over
 
 
 # ---------------------------------------------------------------------------------------------

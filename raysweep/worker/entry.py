@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 
 import torch
@@ -27,11 +25,10 @@ log = logging.getLogger(__name__)
 
 
 def train_worker(config: dict) -> None:
-    """Every rank of one trial on a group of its own (`cluster.make_trainer`'s default: `probe`'s neighbour, the
-    benchmarks' cold start); a sweep's trials run on warm groups instead (`slot_worker`). `config` = {"trial":
-    TrialConfig dict, "data": ObjectRef, "failure_file", "compile_cache": the sweep's compile cache
-    (compile_cache.py), "resume_from": a checkpoint folder to load when Ray Train hands none
-    (cluster.recover_torn_snapshot)}."""
+    """Every rank of one trial on a group of its own, from epoch 1 (`cluster.make_trainer`'s default: the
+    benchmarks' cold start and the tests that fit one trainer); a sweep's trials run on warm groups instead
+    (`slot_worker`), which keep their checkpoints and resume. `config` = {"trial": TrialConfig dict, "data":
+    ObjectRef, "failure_file", "compile_cache": the sweep's compile cache (compile_cache.py)}."""
     import ray
     import ray.train
     import ray.train.torch
@@ -47,17 +44,12 @@ def train_worker(config: dict) -> None:
     run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device, wrap=ray.train.torch.prepare_model)
     run.nodes = gather_strings(ray.get_runtime_context().get_node_id())
     del data
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and config.get("resume_from"):  # Ray's checkpoint list was torn by a kill (cluster.py)
-        checkpoint = ray.train.Checkpoint(config["resume_from"])
-    start_epoch = run.restore(load_state(checkpoint, device))
 
     def send(payload: dict, epoch: int | None) -> bool:
-        due = epoch is not None and (epoch % trial.train.checkpoint_every == 0 or epoch == trial.train.epochs)
-        report(payload, rank, due, lambda: run.state(epoch, payload))
+        ray.train.report(payload)  # every rank: it is a collective
         return True
 
-    train_epochs(run, start_epoch, send, config["failure_file"], config.get("compile_cache"))
+    train_epochs(run, 1, send, config["failure_file"], config.get("compile_cache"))
 
 
 def train_epochs(run: TrainingRun, start_epoch: int, send, failure_file: str, cache: str | None,
@@ -218,42 +210,6 @@ def last_checkpoint_epoch(run_dir: str) -> int:
     names = [n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")]
     return max((int(n.removeprefix("checkpoint_")) for n in names if n.removeprefix("checkpoint_").isdigit()),
                default=0)
-
-
-def load_state(checkpoint, device: torch.device) -> dict | None:
-    """The state saved in Ray's latest checkpoint; where that one cannot be read (torn by a kill or a full disk
-    mid-write), the newest earlier one in the run's folder (cluster.KEPT_CHECKPOINTS keeps two). None: no
-    checkpoint, or none readable (the trial starts over, as it would have without one)."""
-    if checkpoint is None:
-        return None
-    import pyarrow.fs
-    import ray.train
-
-    fs = checkpoint.filesystem
-    run_dir, name = checkpoint.path.rstrip("/").rsplit("/", 1)
-    earlier = sorted((info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(run_dir))
-                      if info.base_name.startswith("checkpoint_") and info.base_name < name), reverse=True)
-    for candidate in [checkpoint, *(ray.train.Checkpoint(f"{run_dir}/{n}", filesystem=fs) for n in earlier)]:
-        try:
-            with candidate.as_directory() as d:
-                return torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=True)
-        except Exception as e:  # torn: EOFError, RuntimeError (zip), UnpicklingError, FileNotFoundError
-            log.warning("checkpoint %s cannot be read (%s: %s); trying the one before it", candidate.path,
-                        type(e).__name__, e)
-    log.warning("no readable checkpoint under %s: the trial starts over", run_dir)
-    return None
-
-
-def report(metrics: dict, rank: int, checkpoint_due: bool, state_fn) -> None:
-    """Every rank reports (it is a collective); rank 0 alone attaches the checkpoint."""
-    import ray.train
-
-    if rank == 0 and checkpoint_due:
-        with tempfile.TemporaryDirectory() as d:
-            torch.save(state_fn(), os.path.join(d, CHECKPOINT_FILE))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-    else:
-        ray.train.report(metrics)
 
 
 def write_failure(location: str, failure: TrialFailure) -> None:

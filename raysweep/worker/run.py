@@ -57,7 +57,7 @@ class TrainingRun:
         return cls(trial, net, scheduler, *shards, rank)
 
     def restore(self, state: dict | None) -> int:
-        """Continue from a checkpoint's state (`entry.load_state`) if there is one; returns the epoch to start at."""
+        """Continue from a checkpoint's state (`entry.load_latest`) if there is one; returns the epoch to start at."""
         if state is None:
             return 1
         self.net.core.load_state_dict(state["model"])
