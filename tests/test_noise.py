@@ -44,7 +44,8 @@ def _measure(rank: int, world: int, micro: int, accum: int, steps: int, scale: f
     meter = GradNoiseMeter.attach(model, torch.device("cpu"))
     params = list(model.parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
+        measure = meter.measures(step, accum)
         for k in range(accum):
             x = torch.randn(micro, D, generator=gen, dtype=torch.float64)
             y = x @ w_star + math.sqrt(SIGMA_SQ) * torch.randn(micro, generator=gen, dtype=torch.float64)
@@ -54,10 +55,20 @@ def _measure(rank: int, world: int, micro: int, accum: int, steps: int, scale: f
                 loss = 0.5 * ((model(x).squeeze(1) - y) ** 2).mean()
                 (loss * scale / accum).backward()  # `scale`: what GradScaler multiplies by under fp16
             meter.after_backward(params, k, accum)
+        if measure and meter.needs_half(accum):  # TrainStep.measure_half: the first half's gradient alone
+            whole = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            half = micro // 2
+            (0.5 * ((model(x[:half]).squeeze(1) - y[:half]) ** 2).mean() * scale).backward()
+            meter.add_half([p.grad for p in params])
+            for p, g in zip(params, whole):
+                p.grad = g
         for p in params:
             p.grad /= scale  # GradScaler.unscale_
         norm = torch.nn.utils.clip_grad_norm_(params, math.inf)
-        meter.step_done(norm, torch.tensor(1.0 / scale, dtype=torch.float64))
+        if measure:
+            meter.step_done(norm, torch.tensor(1.0 / scale, dtype=torch.float64))
         for p in params:
             p.grad = None
     small, big, measured = meter.take()
@@ -115,9 +126,12 @@ def test_one_rank_estimates_from_its_micro_batches():
     _assert_close(_measure(0, 1, micro=4, accum=4, steps=4000, scale=1.0))
 
 
-def test_one_rank_without_accumulation_reports_nothing():
-    result = _measure(0, 1, micro=16, accum=1, steps=10, scale=1.0)
-    assert result == {"grad_noise_scale": None, "grad_sq_norm": None, "grad_trace_cov": None}
+def test_one_rank_without_accumulation_estimates_from_a_half_of_every_fourth_step():
+    """One GPU, one micro-batch: every NOISE_EVERY-th step adds a backward of half its micro-batch (b = 8 of
+    B = 16): a known answer too, with a loss scale; the same sums read as if b_small were B give nothing."""
+    result = _measure(0, 1, micro=16, accum=1, steps=4 * 4000, scale=1024.0, wrong_split=1)
+    _assert_close(result)
+    assert result["wrong"] == {"grad_noise_scale": None, "grad_sq_norm": None, "grad_trace_cov": None}
 
 
 def test_recommendation_follows_the_tradeoff():
@@ -132,9 +146,11 @@ def test_recommendation_follows_the_tradeoff():
     assert recommend(float("nan"), {64: 1.0}) is None and recommend(100.0, {}) is None
 
 
-def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate():
-    """The meter's hand accumulation (each micro-batch's backward alone, summed) trains the captcha model to the
-    same weights as autograd's accumulation, and the epoch's metrics carry B_noise (fp32, one rank, accum 2)."""
+@pytest.mark.parametrize("accum", [2, 1])
+def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate(accum):
+    """The meter's hand accumulation (each micro-batch's backward alone, summed), and without accumulation its
+    extra half-batch backward on every 4th step (BatchNorm's statistics and dropout's RNG put back), train the
+    captcha model to the same weights as an unmeasured run, and the epoch's metrics carry B_noise (fp32, one rank)."""
     import numpy as np
 
     from raysweep.data import CaptchaArrays
@@ -148,18 +164,19 @@ def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate():
     rng = np.random.default_rng(0)
     arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
-    trial = _trial(batch=16, accum=2)
+    trial = _trial(batch=16, accum=accum)
     weights, metrics = {}, None
     for measured in (False, True):
         torch.manual_seed(0)
-        net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0), trial.peak_lr)
+        net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0 if accum > 1 else 0.5), trial.peak_lr)
         if measured:
             net.noise = GradNoiseMeter.attach(net.model, torch.device("cpu"))
         sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, 0, trial.total_steps)
         sums = train_one_epoch(net, shard, sched, trial, 1, 0)
-        weights[measured] = torch.cat([p.detach().flatten() for p in net.core.parameters()])
+        weights[measured] = torch.cat([t.detach().flatten().double() for t in net.core.state_dict().values()])  # BN too
         metrics = reduce_metrics(sums, evaluate(net.core, shard, trial), train_time_s=1.0, epoch_time_s=1.0, epoch=1,
                                  samples_before=0, lr=0.0, device=torch.device("cpu"))
     torch.testing.assert_close(weights[True], weights[False], rtol=1e-5, atol=1e-6)
+    assert float(sums.noise_steps) == (trial.steps_per_epoch if accum > 1 else 2)  # no accumulation: steps 1 and 5
     assert metrics.grad_sq_norm is not None and metrics.grad_trace_cov is not None
     assert metrics.grad_noise_scale is None or metrics.grad_noise_scale > 0

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+NOISE_EVERY = 4  # one rank, one micro-batch: every 4th step is measured (each adds half a backward)
+
 
 class GradNoiseMeter:
     """The measurements behind the gradient noise scale (noise.py has the estimator), summed on the device.
@@ -20,12 +22,16 @@ class GradNoiseMeter:
       all-reduce in `reduce_metrics`.
     - one rank with ≥ 2 micro-batches per step: each micro-batch's backward writes its own gradient
       (b = the micro-batch), squared-summed and then added to the step's sum by hand, as autograd would.
-    - one rank, one micro-batch: no pair, nothing measured (the metrics are absent, not zero).
+    - one rank, one micro-batch: every `every`-th step also runs a backward of the first half of its micro-batch
+      alone (b = half the batch), out of the step's way (TrainStep.measure_half: its gradient stashed, BatchNorm's
+      statistics and the RNG put back), so the step trains exactly as an unmeasured one. Halves that *replace*
+      the whole backward would be cheaper but train differently: BatchNorm normalizes each half by its own
+      statistics. So only those steps pay the extra half a backward (about 1/8 more work, over an epoch).
     fp16: the buffers hold GradScaler-scaled gradients; `step_done` divides by the scale², on the device.
     """
 
-    def __init__(self, device: torch.device, ddp: bool):
-        self.ddp = ddp
+    def __init__(self, device: torch.device, ddp: bool, every: int | None = None):
+        self.ddp, self.every = ddp, every or NOISE_EVERY
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.step_small = zero.clone()  # this step's Σ |G_b|² (DDP: over buckets; one rank: mean over micro-batches)
         self.small_sum, self.big_sum, self.steps = zero.clone(), zero.clone(), zero.clone()
@@ -40,8 +46,23 @@ class GradNoiseMeter:
         return meter
 
     def split(self, accum: int) -> int:
-        """b_big / b_small for a step: the world size (DDP), the micro-batches (one rank), 1 = no pair."""
-        return dist.get_world_size() if self.ddp else accum
+        """b_big / b_small for a step: the world size (DDP), the micro-batches (one rank), 2 (one rank: a half)."""
+        if self.ddp:
+            return dist.get_world_size()
+        return accum if accum > 1 else 2
+
+    def needs_half(self, accum: int) -> bool:
+        """One rank without accumulation: the small batch is a half of the micro-batch, with a backward of its own."""
+        return not self.ddp and accum == 1
+
+    def measures(self, step: int, accum: int) -> bool:
+        """Whether optimizer step `step` (1-based) is measured: every step where the pair comes free (DDP, micro-
+        batches), every `every`-th (1, 1 + every, …) where it costs the half's extra backward."""
+        return not self.needs_half(accum) or (step - 1) % self.every == 0
+
+    def add_half(self, grads: list[torch.Tensor]) -> None:
+        """The half's gradient (its loss unweighted: a mean over the half): its |G_b|² is the step's."""
+        self.step_small += torch.stack(torch._foreach_norm(grads)).double().square().sum()
 
     def before_backward(self, params: list[torch.Tensor], micro: int, accum: int) -> None:
         """One rank: let this micro-batch's backward write its gradient alone (the step's sum so far is kept)."""

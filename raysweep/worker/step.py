@@ -58,6 +58,9 @@ class TrainStep:
         self.graphs = resolve_graphs(trial.train.cuda_graphs, device, net.precision,
                                      dist.get_world_size() if self.distributed else 1, micro_batch)
         self.noise = net.noise if net.noise is not None and net.noise.split(self.accum) > 1 else None
+        # a CUDA graph holds the step as captured: with the meter where its pair comes free (DDP, micro-batches);
+        # one rank's half-batch measurement runs eagerly on the steps it measures, between replays
+        self.captured_measures = self.noise is not None and not self.noise.needs_half(self.accum)
         # the epoch's sums, written in place by every step (a graph's outputs must live at fixed addresses)
         zero = torch.zeros((), device=device, dtype=torch.float64)
         self.loss_sum, self.grad_norm_sum, self.clipped = zero.clone(), zero.clone(), zero.clone()
@@ -85,23 +88,29 @@ class TrainStep:
         `idx` (accum, micro_batch) of shard indices on the device."""
         if self.fault is not None:
             self.fault.fill_(faults.FAULTS.loss_factor(step))
+        measure = self.noise is not None and self.noise.measures(step, self.accum)
         if not self.graphs:
-            self.gradients(idx)
+            self.gradients(idx, measure)
             watch.check(self.bad, epoch, step)  # before the update: on a CPU a bad step is never applied
             self.update()
             return
         self.idx.copy_(idx)
         if self.graph is None and self.eager_steps < GRAPH_WARMUP_STEPS:
-            self._warm_up()
+            self._warm_up(measure)
+        elif measure and not self.captured_measures:  # the half: this step eagerly, the graph's buffers untouched
+            self.gradients(self.idx, True)
+            self.update()
         else:
             if self.graph is None:
                 self._capture()
             self.graph.replay()
         watch.check(self.bad, epoch, step)
 
-    def gradients(self, idx: torch.Tensor) -> None:
-        """Forward and backward over the step's micro-batches, clip; the step's figures into the epoch's sums."""
-        net, accum, noise = self.net, self.accum, self.noise
+    def gradients(self, idx: torch.Tensor, measure: bool = False) -> None:
+        """Forward and backward over the step's micro-batches, clip; the step's figures into the epoch's sums.
+        `measure`: the noise meter measures this step."""
+        net, accum = self.net, self.accum
+        noise = self.noise if measure else None
         model, scaler = net.model, net.scaler
         fp16 = scaler.is_enabled()
         step_loss = torch.zeros((), device=net.device) if fp16 else None
@@ -123,6 +132,8 @@ class TrainStep:
             self.loss_sum += loss.detach() * self.micro_batch
             if fp16:
                 step_loss += loss.detach()
+        if noise is not None and noise.needs_half(accum):
+            self.measure_half(x, y)
         scaler.unscale_(net.optimizer)  # clip and log the true norm, not the fp16-scaled one
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         if noise is not None:  # the scale the gradients were multiplied by, read on the device (no sync)
@@ -140,18 +151,40 @@ class TrainStep:
         torch.maximum(self.grad_norm_max, norm.float(), out=self.grad_norm_max)
         self.clipped += norm > self.max_norm
 
+    def measure_half(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One rank, one micro-batch: the gradient of the micro-batch's first half alone, for the noise meter, out of
+        the step's way: the step's gradient is stashed and put back, BatchNorm's running statistics and the RNG
+        (dropout) are as they were, so the step trains exactly as an unmeasured one."""
+        net, model = self.net, self.net.model
+        half = x.shape[0] // 2
+        grads = [p.grad for p in self.params]
+        buffers = [b.clone() for b in model.buffers()]
+        for p in self.params:
+            p.grad = None
+        cuda = net.device.type == "cuda"  # the CPU generator is always forked; a GPU's only when named
+        with torch.random.fork_rng(devices=[net.device] if cuda else [], device_type="cuda" if cuda else None):
+            with autocast(net.device, net.precision):
+                logits = model(x[:half])
+            net.scaler.scale(LOSS_FN(logits.float(), y[:half])).backward()
+        self.noise.add_half([p.grad for p in self.params if p.grad is not None])
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+
     def update(self) -> None:
         scaler, optimizer = self.net.scaler, self.net.optimizer
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, measure: bool) -> None:
         """An eager step on a side stream, as capturing requires: it allocates what the graph will not."""
         stream = torch.cuda.Stream(self.net.device)
         stream.wait_stream(torch.cuda.current_stream(self.net.device))
         with torch.cuda.stream(stream):
-            self.gradients(self.idx)
+            self.gradients(self.idx, measure)
             self.update()
         torch.cuda.current_stream(self.net.device).wait_stream(stream)
         self.eager_steps += 1
@@ -161,7 +194,7 @@ class TrainStep:
         def capture():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.gradients(self.idx)
+                self.gradients(self.idx, self.captured_measures)
                 self.update()
             return graph
 
