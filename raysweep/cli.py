@@ -97,7 +97,13 @@ def cmd_check(args) -> int:
     from raysweep.config import load_config
     from raysweep.console import print_check
 
-    print_check(load_config(args.spec, args.overrides))
+    from raysweep import sweep, tracking
+
+    config = load_config(args.spec, args.overrides)
+    # the rungs in the other unit need each batch's epoch seconds: what this experiment's trials measured
+    seconds = tracking.epoch_seconds_by_batch(tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
+                                              config.experiment_name)
+    print_check(config, (sweep.rung_table(config, seconds), seconds))
     return 0
 
 

@@ -24,6 +24,7 @@ Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 PosInt = Annotated[int, Strict(), Field(gt=0)]
 NonNegInt = Annotated[int, Strict(), Field(ge=0)]
 PosFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+PosNumber = Union[PosInt, PosFloat]  # a whole number stays one (specs print as they were written)
 NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LrRule = Literal["linear", "sqrt", "none"]
@@ -218,7 +219,12 @@ class ScalingConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: PosInt = Field(6, description="epochs per trial")
+    epochs: PosInt = Field(6, description="epochs per trial; with time_budget_s, the most a trial may run")
+    time_budget_s: PosFloat | None = Field(
+        None, description="training seconds per trial (start-up excluded): a trial times its epochs while still in "
+        "warmup and fixes the epochs (at most train.epochs; its cosine fitted to them) that fill the budget; "
+        "null → train.epochs"
+    )
     precision: Precision = Field(
         "auto", description="autocast dtype: fp32, bf16, fp16 (adds a GradScaler), or auto: bf16 on GPUs that support it and on CPUs with AVX512-BF16 or AMX, else fp32"
     )
@@ -266,12 +272,40 @@ class SearchConfig(_Section):
 
 
 class AshaConfig(_Section):
-    max_t: PosInt | None = Field(None, description="epochs at most; null → train.epochs")
-    grace_period: PosInt = Field(2, description="epochs every trial gets before it can be stopped")
+    unit: Literal["epochs", "seconds"] = Field(
+        "epochs", description="what ASHA's rungs count: epochs, or training seconds (train_seconds): batches "
+        "compared by the time they cost, not the epochs they ran")
+    max_t: PosNumber | None = Field(
+        None, description="the most a trial runs, in the unit; null → train.epochs (seconds: train.time_budget_s)")
+    grace_period: PosNumber = Field(2, description="what every trial gets before it can be stopped, in the unit")
     reduction_factor: Annotated[float, Strict(), Field(gt=1)] = Field(2, description="keep 1/reduction_factor at each rung")
     allow_grace_within_warmup: bool = Field(
         False, description="allow grace_period < the largest warmup (trials may be cut before they are judged)"
     )
+
+
+class TargetConfig(_Section):
+    """A value of a metric to reach: trials are compared by how long they take to get there."""
+
+    metric: str = Field("val_exact_acc", description="the metric (one ASHA can rank by)")
+    value: Float = Field(description="the value to reach (at or above it for accuracies, at or below for losses)")
+    stop: bool = Field(False, description="end a trial when it gets there (it counts as finished)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        from raysweep.metrics import RANKABLE_METRICS
+
+        if self.metric not in RANKABLE_METRICS:
+            close = difflib.get_close_matches(self.metric, RANKABLE_METRICS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "one of " + ", ".join(RANKABLE_METRICS)
+            raise ValueError(f"unknown metric {self.metric!r} ({hint})")
+        return self
+
+    @property
+    def mode(self) -> str:
+        from raysweep.metrics import METRIC_MODES
+
+        return METRIC_MODES[self.metric]
 
 
 class TuneSection(_Section):
@@ -282,6 +316,9 @@ class TuneSection(_Section):
     max_concurrent_trials: PosInt | None = Field(None, description="null → planned from the cluster")
     seed: Int = Field(0, description="search seed")
     asha: AshaConfig = AshaConfig()
+    target: TargetConfig | None = Field(
+        None, description="{metric, value, stop}: log each trial's time_to_target_s and rank by it (trials that "
+        "never get there after, by tune.metric); null → rank by tune.metric")
 
     @model_validator(mode="before")
     @classmethod
@@ -340,6 +377,23 @@ class SweepConfig(_Section):
         """
         asha = self.tune.asha
         max_t = self.max_t
+        if asha.unit == "seconds":
+            budget = self.train.time_budget_s
+            if max_t == math.inf:
+                return ("tune.asha.unit: seconds needs a horizon in seconds; set tune.asha.max_t (training seconds) "
+                        "or train.time_budget_s")
+            if budget is not None and max_t > budget:
+                return (f"tune.asha.max_t: {max_t:g} s exceeds train.time_budget_s {budget:g}: no trial runs that "
+                        f"long; lower max_t or leave it unset (it follows the budget)")
+            if asha.grace_period > max_t:
+                return (f"tune.asha.grace_period: {asha.grace_period:g} s exceeds max_t {max_t:g} s "
+                        f"(train.time_budget_s unless tune.asha.max_t is set); lower grace_period")
+            return None
+        for key in ("grace_period", "max_t"):
+            value = getattr(asha, key)
+            if value is not None and value != int(value):
+                return (f"tune.asha.{key}: {value!r} is not a whole number of epochs; use one, or count in training "
+                        f"seconds with tune.asha.unit: seconds")
         if max_t > self.train.epochs:
             return f"tune.asha.max_t: {max_t} exceeds train.epochs {self.train.epochs}; lower max_t or leave it unset"
         if asha.grace_period > max_t:
@@ -375,12 +429,42 @@ class SweepConfig(_Section):
                     )
 
     @property
-    def max_t(self) -> int:
-        return self.tune.asha.max_t or self.train.epochs
+    def max_t(self) -> float:
+        """ASHA's horizon in its unit: tune.asha.max_t, else train.epochs (epochs) or train.time_budget_s (seconds;
+        inf when neither is set: sweep_problem refuses it)."""
+        asha = self.tune.asha
+        if asha.unit == "seconds":
+            return asha.max_t or self.train.time_budget_s or math.inf
+        return asha.max_t or self.train.epochs
+
+    @property
+    def time_attr(self) -> str:
+        """The reported metric ASHA counts in: `epoch` (worker-reported; Tune's training_iteration restarts at 1
+        after a restore) or `train_seconds`."""
+        return "train_seconds" if self.tune.asha.unit == "seconds" else "epoch"
+
+    @property
+    def horizon(self):
+        """Where trials end on their own (metrics.Horizon): how the driver tells finished from pruned."""
+        from raysweep.metrics import Horizon
+
+        target = self.tune.target
+        return Horizon(self.time_attr, self.max_t, bool(target and target.stop))
 
     @property
     def experiment_name(self) -> str:
         return self.mlflow.experiment or self.name
+
+    def global_batches(self) -> list[int]:
+        """Every global batch the search can sample (per-GPU batch × workers × accumulation; a range by its ends)."""
+        def values(knob, fallback) -> list:
+            if knob is None:
+                return [fallback]
+            return sorted({knob.choice[0], *knob.choice} if isinstance(knob, Choice) else set(_extremes(knob) or [knob]))
+
+        search = self.search
+        return sorted({b * self.scaling.num_workers * a for b in values(search.per_gpu_batch_size, 32)
+                       for a in values(search.grad_accum_steps, self.train.grad_accum_steps)})
 
     def searched(self) -> dict[str, Any]:
         """Knobs with a distribution (what Tune samples), by name."""
@@ -423,6 +507,7 @@ class SweepConfig(_Section):
                 num_classes=self.data.num_classes,
             ),
             train_size=train_size,
+            target=self.tune.target,
         )
 
 
@@ -458,6 +543,7 @@ class TrialConfig(_Section):
     scaling: ScalingConfig
     image: ImageSpec
     train_size: PosInt = Field(description="training images in the whole set")
+    target: TargetConfig | None = Field(None, description="tune.target: the rank watches for it (TargetWatch)")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrialConfig:
@@ -619,7 +705,8 @@ def _dotted(loc: tuple) -> str:
     out = ""
     previous = None
     for part in loc:
-        if part == "value" or part == previous or (isinstance(part, str) and "[" in part):
+        knob_tag = part == "value" and previous in SearchConfig.model_fields  # a fixed knob's tag, not a key
+        if knob_tag or part == previous or (isinstance(part, str) and "[" in part):
             previous = part
             continue  # discriminator tags and generic class names, not keys the user wrote
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))

@@ -5,6 +5,7 @@ Rank code never prints; library code logs. This module only formats and prints.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from datetime import datetime
@@ -90,8 +91,11 @@ class ConsoleProgress:
 
     def trial_end(self, view: TrialView) -> None:
         metric = self.config.tune.metric
-        print(f"[{now()}] {view.status:<8} {view.trial_id} at epoch {view.epoch}: {metric} {fmt(view.value(metric))}",
-              flush=True)
+        seconds = f" ({view.value('train_seconds'):.0f} s)" if view.value("train_seconds") else ""
+        reached = (f", {self.config.tune.target.metric} reached in {view.value('time_to_target_s'):.1f} s"
+                   if view.value("time_to_target_s") is not None else "")
+        print(f"[{now()}] {view.status:<8} {view.trial_id} at epoch {view.epoch}{seconds}: {metric} "
+              f"{fmt(view.value(metric))}{reached}", flush=True)
         if view.error:
             print(f"         {view.trial_id}: {view.error}", flush=True)
 
@@ -187,8 +191,9 @@ def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_
     print(f"         (the trials, best {metric} first; to see the numbers: Columns → Metrics → {metric})")
 
 
-def print_check(config: SweepConfig) -> None:
-    """`check`: the resolved spec, and the derived values at the defaults."""
+def print_check(config: SweepConfig, rungs: tuple[list, dict] | None = None) -> None:
+    """`check`: the resolved spec, the derived values at the defaults, and (`rungs`: rows and the epoch seconds
+    they came from) ASHA's rungs in both units."""
     from raysweep.config import spec_yaml
 
     print(spec_yaml(config), end="")
@@ -197,30 +202,49 @@ def print_check(config: SweepConfig) -> None:
     print("# derived at the defaults" + ("" if n else " (train size unknown until the folder is read: steps assume 1)"))
     for key in ("global_batch_size", "peak_lr", "steps_per_epoch", "warmup_steps", "total_steps"):
         print(f"#   {key}: {getattr(trial, key):.6g}")
+    if rungs is not None:
+        print_rungs(config, *rungs)
+
+
+def print_rungs(config: SweepConfig, rows: list[list[str]], epoch_seconds: dict[int, float]) -> None:
+    """ASHA's rungs in the spec's unit and the other for each of its global batches (`rows`: sweep.rung_table)."""
+    seconds = config.time_attr == "train_seconds"
+    other = "epochs" if seconds else "training seconds"
+    batches = config.global_batches()
+    print(f"# ASHA rungs in {config.tune.asha.unit} (then max_t), and in {other} at each global batch of the spec:")
+    table = format_table(("#", config.tune.asha.unit, *(f"batch {b}" for b in batches)), rows)
+    print("\n".join(f"#   {line}" for line in table.splitlines()))
+    known = [b for b in batches if b in epoch_seconds]
+    if known:
+        print("#   (seconds an epoch as this experiment's trials measured them: "
+              + ", ".join(f"batch {b} {epoch_seconds[b]:.2f} s" for b in known) + ")")
+    if len(known) < len(batches):
+        print("#   ?: no trial of this experiment has measured that batch's epoch seconds yet (run the sweep, or "
+              "`train --set search.per_gpu_batch_size=N`)")
 
 
 def make_console_callback(progress: ConsoleProgress):
     """A `ray.tune.Callback` that forwards Tune's events to `progress` (ray.tune imported here, lazily)."""
     from ray.tune import Callback
 
-    max_t = progress.config.max_t
+    horizon = progress.config.horizon
 
     class ConsoleCallback(Callback):
         def on_trial_start(self, iteration, trials, trial, **info):
-            progress.trial_start(TrialView.of_trial(trial, max_t))
+            progress.trial_start(TrialView.of_trial(trial, horizon))
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             progress.trial_result(trial.trial_id, result)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            progress.trial_end(TrialView.of_trial(trial, max_t, ended="complete"))
+            progress.trial_end(TrialView.of_trial(trial, horizon, ended="complete"))
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            progress.trial_end(TrialView.of_trial(trial, max_t, ended="error"))
+            progress.trial_end(TrialView.of_trial(trial, horizon, ended="error"))
 
         def on_step_end(self, iteration, trials, **info):
             if not progress.per_epoch:
-                progress.step(TrialView.of_trial(t, max_t) for t in trials)
+                progress.step(TrialView.of_trial(t, horizon) for t in trials)
 
     return ConsoleCallback()
 
@@ -264,10 +288,15 @@ def print_sweep_summary(config: SweepConfig, views: list[TrialView], report, wal
     """`tune`'s closing lines: counts, epochs saved by ASHA, the top trials against the baseline, the
     recommendation and where the report is (`report`: report.SweepReport, built from the MLflow store)."""
     count = {s: sum(v.status == s for v in views) for s in ("finished", "pruned", "failed")}
-    epochs_run = sum(v.epoch for v in views)
-    budget = len(views) * config.max_t
+    if config.time_attr == "epoch" and config.train.time_budget_s is None:
+        run, budget, unit = sum(v.epoch for v in views), len(views) * config.max_t, "epochs"
+    else:  # trials run different epochs: what they cost is their training seconds
+        run, unit = sum(v.value("train_seconds") or 0 for v in views), "training seconds"
+        budget = len(views) * min(config.max_t, config.train.time_budget_s or math.inf)
+    saved = (f" of {budget:,.0f} {unit} run ({budget - run:,.0f} saved)" if math.isfinite(budget) and budget >= run
+             else f" {unit} run")
     print(f"\nsweep: {len(views)} trials in {wall_s:.0f}s: {count['finished']} finished, {count['pruned']} pruned by "
-          f"ASHA, {count['failed']} failed; {epochs_run} of {budget} epochs run ({budget - epochs_run} saved)")
+          f"ASHA, {count['failed']} failed; {run:,.0f}{saved}")
     _print_report_body(report, top)
 
 
@@ -291,17 +320,24 @@ def _print_report_body(report, top: int) -> None:
                      fmt(t.number("peak_lr"), ".2e"), t.params.get("warmup_epochs", "-"),
                      fmt(t.number("weight_decay"), ".1e"), str(t.epoch), fmt(row.value), _signed(row.delta),
                      fmt(t.wall_s, ".0f"), _signed(row.delta_wall_s, ".0f"), fmt(t.last("samples_per_s"), ",.0f"),
-                     _signed(row.delta_samples_per_s, ",.0f"), fmt(t.last("grad_noise_scale"), ",.0f")])
+                     _signed(row.delta_samples_per_s, ",.0f"), fmt(t.last("grad_noise_scale"), ",.0f"),
+                     fmt(t.last("train_seconds"), ".1f")]
+                    + ([fmt(t.last("time_to_target_s"), ".1f")] if r.target else []))
     if rows:
         base = report.baseline
-        print(f"top trials by {metric} ({r.mode})" + (f"; Δ against the baseline {base.trial_id} (the spec's defaults):"
-                                                      if base else ":"))
+        order = (f"time to {r.target_label()} (training seconds), then {metric} ({r.mode})" if r.target
+                 else f"{metric} ({r.mode})")
+        print(f"top trials by {order}" + (f"; Δ against the baseline {base.trial_id} (the spec's defaults):"
+                                          if base else ":"))
         print(format_table(("trial", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch", metric,
-                            f"Δ{metric}", "wall_s", "Δwall_s", "samples/s", "Δsamples/s", "b_noise"), rows))
+                            f"Δ{metric}", "wall_s", "Δwall_s", "samples/s", "Δsamples/s", "b_noise", "train_s")
+                           + ((f"to {r.target_label()} s",) if r.target else ()), rows))
     else:
         print("no trial succeeded", file=sys.stderr)
     if report.recommendation is not None:
         print_recommendation(report.recommendation)
+    if report.held:
+        print_held(report.held, r.target_label())
     print(f"report:  {report.folder}/report.html (plots: {', '.join(f for f in report.files if f.endswith('.png'))}; "
           f"also on the MLflow parent run, under report/)")
 
@@ -333,3 +369,13 @@ def print_recommendation(rec) -> None:
     print(format_table(("global_batch", "samples/s", "samples×", "steps×", "time×", ""), rows))
     print(f"batch growth stops paying near B ≈ B_noise ≈ {rec.noise_scale:,.0f}: below it a doubled batch nearly halves "
           f"the steps; above it, steps fall little while samples grow. Fastest here: global batch {fastest}.")
+
+
+def print_held(held, target: str) -> None:
+    """The recommendation against the sweep (`held`: noise.Held per global batch): measured and predicted time to
+    the target, and the error."""
+    rows = [[str(h.global_batch), h.trial_id, f"{h.measured_s:.1f}", f"{h.predicted_s:.1f}", f"{h.error:+.0%}",
+             f"{h.measured_samples:,.0f}", f"{h.predicted_samples:,.0f}"] for h in held]
+    print(f"held against this sweep: each global batch's fastest trial to {target}, beside the prediction "
+          f"(E_min fitted to all of them: the errors are the model's shape across batches)")
+    print(format_table(("global_batch", "trial", "measured_s", "predicted_s", "error", "samples", "predicted"), rows))

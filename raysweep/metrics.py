@@ -32,11 +32,19 @@ class EpochMetrics:
     # seconds this epoch (start-up included in the first) spent compiling the step: torch.compile's first call at
     # each shape (the probe step's or training's) and CUDA graph capture; max over ranks; 0 when nothing compiled
     compile_s: float = 0.0
-    # the gradient noise scale (noise.py), from the epoch's steps; absent (None) where a step has no
-    # small/big gradient pair: one worker without accumulation
+    # training seconds so far, start-up excluded: every epoch's epoch_time_s but the compile time inside it (the
+    # probe step's compile is start-up too); cumulative and monotonic, kept in the checkpoint: ASHA's clock when
+    # tune.asha.unit is seconds, and the time in time_to_target_s
+    train_seconds: float = 0.0
+    # the gradient noise scale (noise.py), from the epoch's steps; absent (None) where nothing was measured
     grad_noise_scale: float | None = None  # B_noise = tr(Σ) / |G|², samples: the batch past which growth stops paying
     grad_sq_norm: float | None = None  # |G|², the true gradient's squared norm (epoch mean of the estimate)
     grad_trace_cov: float | None = None  # tr(Σ), per-example gradient variance summed over parameters (epoch mean)
+    # tune.target reached (TargetWatch): how long it took, interpolated between the two epochs that straddle the
+    # value (reached in the first epoch: that epoch's own figures); in every report from that epoch on
+    time_to_target_s: float | None = None  # training seconds (train_seconds' clock)
+    epochs_to_target: float | None = None  # epochs, fractional
+    samples_to_target: float | None = None  # training samples, all ranks
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class WorkerParams:
     accumulation_steps: int  # micro-batches per optimizer step on one rank
     oom_downshifts: int  # times the start-up probe halved the micro-batch
     nodes: str  # Ray node ids of the trial's workers, by rank, comma-separated (one machine's raylets share an IP)
+    resolved_epochs: int  # the epochs the trial runs: train.epochs, or under train.time_budget_s what fills the budget
 
 
 # A trial's start-up, from Tune starting it to its first training step (sweep.run_trial, worker/entry.slot_worker):
@@ -94,11 +103,61 @@ def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:
 # Reading trials on the driver
 
 
-def outcome(epoch: int, max_t: int, errored: bool) -> str:
-    """How a trial that is no longer running ended: failed, finished (reached max_t) or pruned (cut by ASHA)."""
-    if errored:
-        return "failed"
-    return "finished" if epoch >= max_t else "pruned"
+TARGET_NAMES = ("time_to_target_s", "epochs_to_target", "samples_to_target")
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """Where a sweep's trials end on their own (config.SweepConfig.horizon): ASHA's max_t in its time attribute
+    (`epoch`, or `train_seconds`), the end of a trial's own epochs, and with tune.target's `stop` the target."""
+
+    time_attr: str = "epoch"
+    max_t: float = float("inf")
+    stop_at_target: bool = False
+
+    def outcome(self, last: dict, errored: bool) -> str:
+        """How a trial that is no longer running ended: failed, finished (it ran all its epochs, reached max_t or,
+        where the target stops trials, the target) or pruned (cut by ASHA). `last`: its last reported result."""
+        if errored:
+            return "failed"
+        done = (float(last.get(self.time_attr, 0)) >= self.max_t
+                or int(last.get("epoch", 0)) >= int(last.get("resolved_epochs", 1 << 62))
+                or (self.stop_at_target and last.get("time_to_target_s") is not None))
+        return "finished" if done else "pruned"
+
+
+def reached(value: float, target: float, mode: str) -> bool:
+    """Whether a metric's value is at or past a target (mode: the metric's better direction)."""
+    return value >= target if mode == "max" else value <= target
+
+
+def to_target(before: tuple[float, ...] | None, after: tuple[float, ...], target: float) -> tuple[float, ...]:
+    """(seconds, epochs, samples) to a target from two epochs' (seconds, epochs, samples, value): linearly
+    interpolated between `before` (not reached) and `after` (reached); no `before` (reached in the first epoch,
+    whose start has no value): `after`'s own figures."""
+    if before is None or after[3] == before[3]:
+        return after[:3]
+    f = (target - before[3]) / (after[3] - before[3])
+    f = min(max(f, 0.0), 1.0)
+    return tuple(b + f * (a - b) for b, a in zip(before[:3], after[:3]))
+
+
+def rank_key(value, metric: str, mode: str, target: bool):
+    """Sort key for ranking a trial, best first (`value(name)`: its last value of a metric, or None): with a
+    target, the trials that reached it by time_to_target_s, then the rest by the metric; else by the metric.
+    None: not rankable (no metric)."""
+    if target and value("time_to_target_s") is not None:
+        return (0, value("time_to_target_s"))
+    v = value(metric)
+    if v is None:
+        return None
+    return (1, -v if mode == "max" else v)
+
+
+def rank(items: list, value_of, metric: str, mode: str, target: bool = False) -> list:
+    """`items` that have a rank key (`value_of(item, name)`), best first."""
+    keyed = [(rank_key(lambda n, i=i: value_of(i, n), metric, mode, target), n, i) for n, i in enumerate(items)]
+    return [i for key, _, i in sorted((k for k in keyed if k[0] is not None), key=lambda k: (k[0], k[1]))]
 
 
 @dataclass(frozen=True)
@@ -121,21 +180,21 @@ class TrialView:
         return None if value is None else float(value)
 
     @classmethod
-    def of_trial(cls, trial, max_t: int, ended: str | None = None) -> TrialView:
+    def of_trial(cls, trial, horizon: Horizon, ended: str | None = None) -> TrialView:
         """From a live `ray.tune.experiment.Trial`. `ended`: "complete" or "error" inside those Tune
         callbacks, which run while the trial's status still says RUNNING."""
         last = dict(trial.last_result or {})
         status = trial.status.lower()
         errored = ended == "error" if ended else status == "error"
         if ended or status in ("terminated", "error"):
-            status = outcome(int(last.get("epoch", 0)), max_t, errored)
+            status = horizon.outcome(last, errored)
         return cls(trial.trial_id, status, dict(trial.config), last, _trial_error_line(trial) if errored else None)
 
     @classmethod
-    def of_result(cls, result, max_t: int) -> TrialView:
+    def of_result(cls, result, horizon: Horizon) -> TrialView:
         """From a `ray.tune.Result` of `Tuner.fit()`'s grid."""
         last = dict(result.metrics or {})
-        status = outcome(int(last.get("epoch", 0)), max_t, result.error is not None)
+        status = horizon.outcome(last, result.error is not None)
         error = error_line(str(result.error)) if result.error is not None else None
         return cls(str(last.get("trial_id", "?")), status, dict(result.config or {}), last, error)
 
@@ -217,3 +276,11 @@ class SweepRecord:
     mode: str
     spec_text: str
     trials: list  # RunRecord, by start time
+    target: tuple[str, float] | None = None  # tune.target (metric, value): trials that reach it rank by time_to_target_s
+
+    def target_label(self) -> str:
+        """e.g. `val_exact_acc ≥ 0.7` (the table headers)."""
+        if self.target is None:
+            return ""
+        metric, value = self.target
+        return f"{metric} {'≥' if METRIC_MODES.get(metric, 'max') == 'max' else '≤'} {value:g}"

@@ -98,3 +98,42 @@ def recommend(noise_scale: float, throughput: dict[int, float], source: str = ""
     candidates = [Candidate(b, usable[b], predicted_samples(b, noise_scale), predicted_steps(b, noise_scale),
                             raw[b] / best) for b in sorted(usable)]
     return Recommendation(noise_scale, candidates, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prediction held against what a sweep measured
+
+
+@dataclass(frozen=True)
+class Held:
+    """One global batch: the best time to the target a sweep measured there, and what B_noise predicts."""
+
+    global_batch: int
+    trial_id: str  # the batch's fastest trial to the target
+    measured_s: float  # its time_to_target_s (training seconds)
+    measured_samples: float  # its samples_to_target
+    predicted_samples: float  # E_min (1 + B / B_noise), E_min fitted to all the batches (held_against)
+    predicted_s: float  # predicted_samples at the trial's own pace (measured_s / measured_samples)
+
+    @property
+    def error(self) -> float:
+        """predicted ÷ measured − 1 (the same for samples and seconds: one pace)."""
+        return self.predicted_s / self.measured_s - 1
+
+
+def held_against(noise_scale: float, measured: dict[int, tuple[str, float, float]]) -> list[Held]:
+    """The model E(B) = E_min (1 + B/B_noise) against a sweep's best measured (trial id, seconds, samples) to a
+    target per global batch: E_min is the one number fitted (the geometric mean of E(B) / (1 + B/B_noise) over
+    the batches), so what is left, the error per batch, is how well the model's *shape* across batches holds.
+    Needs two batches at least (with one, E_min fits it exactly); [] otherwise."""
+    usable = {b: m for b, m in measured.items() if m[1] > 0 and m[2] > 0}
+    if len(usable) < 2 or not (noise_scale and noise_scale > 0 and math.isfinite(noise_scale)):
+        return []
+    logs = [math.log(samples / predicted_samples(b, noise_scale)) for b, (_, _, samples) in usable.items()]
+    e_min = math.exp(sum(logs) / len(logs))
+    rows = []
+    for b in sorted(usable):
+        trial_id, seconds, samples = usable[b]
+        predicted = e_min * predicted_samples(b, noise_scale)
+        rows.append(Held(b, trial_id, seconds, samples, predicted, predicted * seconds / samples))
+    return rows

@@ -16,11 +16,13 @@ from pathlib import Path
 
 from raysweep import storage, tracking
 from raysweep.errors import UserError
-from raysweep.metrics import RunRecord, SweepRecord
-from raysweep.noise import Recommendation, recommend
+from raysweep.metrics import RunRecord, SweepRecord, rank
+from raysweep.noise import Held, Recommendation, held_against, recommend
 
 PLOTS = {  # file → what it shows (the HTML's captions)
     "metric_curves.png": "the ranking metric per epoch, one line per trial; × where ASHA pruned, ! where a trial failed",
+    "metric_time.png": "the ranking metric against each trial's training seconds (start-up excluded): what the time "
+                       "users pay buys; the target's line where the sweep has one, ● where a trial reached it",
     "lr_schedule.png": "the learning rate each trial ran, per epoch (warmup, then cosine)",
     "batch_lr.png": "global batch × peak LR, coloured by the final ranking metric; the best ringed",
     "throughput_memory.png": "training throughput and peak memory against the per-GPU batch",
@@ -43,7 +45,9 @@ class SummaryRow:
                 "base_lr": t.number("base_lr"), "peak_lr": t.number("peak_lr"), "epoch": t.epoch, metric: self.value,
                 f"delta_{metric}": self.delta, "wall_s": t.wall_s, "delta_wall_s": self.delta_wall_s,
                 "samples_per_s": t.last("samples_per_s"), "delta_samples_per_s": self.delta_samples_per_s,
-                "grad_noise_scale": t.last("grad_noise_scale")}
+                "grad_noise_scale": t.last("grad_noise_scale"), "train_seconds": t.last("train_seconds"),
+                "resolved_epochs": t.number("resolved_epochs"), "time_to_target_s": t.last("time_to_target_s"),
+                "epochs_to_target": t.last("epochs_to_target"), "samples_to_target": t.last("samples_to_target")}
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,29 @@ class SweepReport:
     rows: list[SummaryRow]  # ranked, best first (failed trials and those without the metric left out)
     baseline: RunRecord | None
     recommendation: Recommendation | None
+    held: list[Held]  # the recommendation against the sweep's measured times to the target, per global batch
     folder: str  # where the files are
     files: list[str]  # file names in `folder`: plots and report.html
 
 
 def ranked(record: SweepRecord) -> list[RunRecord]:
-    ok = [t for t in record.trials if t.status != "failed" and t.last(record.metric) is not None]
-    return sorted(ok, key=lambda t: t.last(record.metric), reverse=record.mode == "max")
+    """Trials that did not fail, best first: by the metric, or with a target by time_to_target_s and then the rest
+    by the metric (metrics.rank, as the sweep's own summary)."""
+    return rank([t for t in record.trials if t.status != "failed"], RunRecord.last, record.metric, record.mode,
+                record.target is not None)
+
+
+def held(record: SweepRecord, advice: Recommendation | None) -> list[Held]:
+    """The recommendation's B_noise held against the sweep: per global batch, its fastest trial to the target
+    (noise.held_against); [] without a target, a B_noise, or two batches that reached it."""
+    if advice is None or record.target is None:
+        return []
+    best: dict[int, tuple[str, float, float]] = {}
+    for t in record.trials:
+        batch, seconds, samples = t.number("global_batch_size"), t.last("time_to_target_s"), t.last("samples_to_target")
+        if batch and seconds and samples and (int(batch) not in best or seconds < best[int(batch)][1]):
+            best[int(batch)] = (t.trial_id, seconds, samples)
+    return held_against(advice.noise_scale, best)
 
 
 def summary_rows(record: SweepRecord) -> tuple[list[SummaryRow], RunRecord | None]:
@@ -104,6 +124,7 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
     folder.mkdir(parents=True, exist_ok=True)
     rows, baseline = summary_rows(record)
     advice = recommendation(record)
+    checked = held(record, advice)
     files = _parent_plots(record, rows, advice, folder)
     trial_pngs = {}
     for t in record.trials:
@@ -111,9 +132,9 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
             path = folder / "trials" / f"{t.trial_id}.png"
             _trial_plot(t, record.metric, path)
             trial_pngs[t.run_id] = path
-    report = SweepReport(record, rows, baseline, advice, str(folder), files)
+    report = SweepReport(record, rows, baseline, advice, checked, str(folder), files)
     (folder / "report.html").write_text(_html(report, ui_base))
-    return SweepReport(record, rows, baseline, advice, str(folder), [*files, "report.html"]), trial_pngs
+    return SweepReport(record, rows, baseline, advice, checked, str(folder), [*files, "report.html"]), trial_pngs
 
 
 REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote it, and may rewrite it
@@ -247,6 +268,28 @@ def _parent_plots(record: SweepRecord, rows: list[SummaryRow], advice, folder: P
     ax.grid(alpha=0.3)
     _legend_right(ax)
     save(fig, "metric_curves.png")
+
+    # 1b. the same against training seconds: what the time users pay buys
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    for t in trials:
+        curve, clock = t.history.get(metric, {}), t.history.get("train_seconds", {})
+        xs = sorted(e for e in curve if e in clock)
+        if not xs:
+            continue
+        ax.plot([clock[e] for e in xs], [curve[e] for e in xs], marker=".", color=colors[t.trial_id],
+                label=f"{_label(t)} (batch {t.params.get('global_batch_size', '?')})", linewidth=2.5 if t is best else 1.2)
+        if t.status == "pruned":
+            ax.scatter(clock[xs[-1]], curve[xs[-1]], marker="x", s=70, color=colors[t.trial_id], zorder=3)
+        if record.target is not None and t.last("time_to_target_s") is not None:
+            ax.scatter(t.last("time_to_target_s"), record.target[1], marker="o", s=45, color=colors[t.trial_id], zorder=4)
+    if record.target is not None:
+        ax.axhline(record.target[1], color="grey", linestyle="--", label=f"target {record.target_label()}")
+    ax.set_xlabel("training seconds (start-up excluded)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} against training seconds (× pruned; ● reached the target; thick: best)")
+    ax.grid(alpha=0.3)
+    _legend_right(ax)
+    save(fig, "metric_time.png")
 
     # 2. the LR each trial ran
     fig, ax = plt.subplots(figsize=(9, 4.8))
@@ -390,12 +433,14 @@ def _html(report: SweepReport, ui_base: str) -> str:
             f"<td>{t.params.get('warmup_epochs', '')}</td><td>{_fmt(t.number('weight_decay'), '.1e')}</td><td>{t.epoch}</td>"
             f"<td>{_fmt(row.value)}</td><td>{_signed(row.delta)}</td><td>{_fmt(t.wall_s, '.0f')}</td>"
             f"<td>{_signed(row.delta_wall_s, '.0f')}</td><td>{_fmt(t.last('samples_per_s'), ',.0f')}</td>"
-            f"<td>{_signed(row.delta_samples_per_s, ',.0f')}</td><td>{_fmt(t.last('grad_noise_scale'), ',.0f')}</td></tr>")
+            f"<td>{_signed(row.delta_samples_per_s, ',.0f')}</td><td>{_fmt(t.last('grad_noise_scale'), ',.0f')}</td>"
+            f"<td>{_fmt(t.last('train_seconds'), '.1f')}</td>"
+            + (f"<td>{_fmt(t.last('time_to_target_s'), '.1f')}</td>" if r.target else "") + "</tr>")
     others = [t for t in r.trials if t not in [row.trial for row in report.rows]]
     for t in others:
         rows.append(f"<tr class=other><td></td><td><a href='{run_url}/{t.run_id}'>{html.escape(t.trial_id)}</a></td>"
                     f"<td>{t.status} {html.escape(t.tags.get('failure', ''))}</td>"
-                    f"<td colspan=14>{html.escape(t.tags.get('error', '')[:200])}</td></tr>")
+                    f"<td colspan={16 if r.target else 15}>{html.escape(t.tags.get('error', '')[:200])}</td></tr>")
     images = []
     for name in report.files:
         data = base64.b64encode((folder / name).read_bytes()).decode()
@@ -412,6 +457,20 @@ def _html(report: SweepReport, ui_base: str) -> str:
                   f"<b>{rec.fastest.global_batch}</b>; growth stops paying near B ≈ {rec.noise_scale:,.0f}.</p>"
                   f"<table><tr><th>global batch</th><th>samples/s</th><th>samples×</th><th>steps×</th><th>time×</th></tr>"
                   f"{cells}</table>")
+    if report.held:
+        cells = "".join(f"<tr><td>{h.global_batch}</td><td>{html.escape(h.trial_id)}</td><td>{h.measured_s:.1f}</td>"
+                        f"<td>{h.predicted_s:.1f}</td><td>{h.error:+.0%}</td><td>{h.measured_samples:,.0f}</td>"
+                        f"<td>{h.predicted_samples:,.0f}</td></tr>" for h in report.held)
+        advice += (f"<h3 id='held'>The prediction held against this sweep</h3><p>Per global batch, the trial that reached "
+                   f"{html.escape(r.target_label())} soonest, beside what B<sub>noise</sub> predicts (E<sub>min</sub> "
+                   f"fitted to all these batches at once, so the errors show how well the model's shape across batches "
+                   f"holds).</p><table id='held'><tr><th>global batch</th><th>trial</th><th>measured s</th>"
+                   f"<th>predicted s</th><th>error</th><th>measured samples</th><th>predicted samples</th></tr>"
+                   f"{cells}</table>")
+    target_th = f"<th>time to {html.escape(r.target_label())} (s)</th>" if r.target else ""
+    ranking = (f"ranked by the time to <b>{html.escape(r.target_label())}</b> (training seconds, interpolated between "
+               f"the epochs that straddle it), then the trials that never got there by <b>{metric}</b> ({r.mode})"
+               if r.target else f"ranked by <b>{metric}</b> ({r.mode})")
     base = report.baseline
     base_line = (f"Baseline (the spec's defaults): <a href='{run_url}/{base.run_id}'>{html.escape(base.trial_id)}</a>, "
                  f"{metric} {_fmt(base.last(metric))}." if base else "No baseline trial in this sweep.")
@@ -428,13 +487,13 @@ figcaption {{ color: #555; font-size: 14px; }} pre {{ background: #f7f7f7; paddi
 </style></head><body>
 <h1>Sweep {html.escape(r.parent_name)}</h1>
 <p>Experiment <b>{html.escape(r.experiment)}</b> in <code>{html.escape(r.tracking_uri)}</code>:
-{len(r.trials)} trials ({", ".join(f"{n} {s}" for s, n in counts.items() if n)}), ranked by <b>{metric}</b> ({r.mode}).
+{len(r.trials)} trials ({", ".join(f"{n} {s}" for s, n in counts.items() if n)}), {ranking}.
 <a href="{run_url}/{r.parent_run_id}">parent run in the MLflow UI</a> (start <code>mlflow ui</code> on the store first).</p>
 <p>{base_line} Δ columns are against it.</p>
 <h2>Trials</h2>
 <table id="summary"><tr><th>#</th><th>trial</th><th>status</th><th>per-GPU</th><th>global</th><th>base LR</th><th>peak LR</th>
 <th>warmup</th><th>wd</th><th>epoch</th><th>{metric}</th><th>Δ {metric}</th><th>wall s</th><th>Δ wall s</th>
-<th>samples/s</th><th>Δ samples/s</th><th>B<sub>noise</sub></th></tr>
+<th>samples/s</th><th>Δ samples/s</th><th>B<sub>noise</sub></th><th>train s</th>{target_th}</tr>
 {"".join(rows)}</table>
 {advice}
 <h2>Plots</h2>

@@ -60,7 +60,9 @@ class Assignment:
     run_dir: str  # the trial's own folder (checkpoints, the agreed-failure file)
     key: str  # scaling_key(trial)
     max_failures: int  # worker-group restarts the trial may use
-    decision_epochs: tuple[int, ...] = ()  # epochs after which Tune's scheduler may stop it (ASHA's rungs, max_t)
+    decision_points: tuple[float, ...] = ()  # where Tune's scheduler may stop it (ASHA's rungs, max_t), in time_attr
+    time_attr: str = "epoch"  # what the points count: epoch or train_seconds (a reported, monotonic metric)
+    clock: float = 0.0  # time_attr's value in its last report
     acked: int = 0  # reports Tune has taken and let the trial go on after
     slot: int | None = None
     started: bool = False  # a slot's rank 0 has taken it
@@ -104,14 +106,15 @@ class Broker:
     # -- the trial side (sweep.run_trial, in Tune's trial actor; the driver's callback)
 
     async def submit(self, trial_id: str, trial: dict, run_dir: str, max_failures: int,
-                     decision_epochs: tuple[int, ...] = ()) -> int:
-        """Queue a trial for the next free slot of its shape; returns its assignment number. `decision_epochs`:
-        where ASHA may stop it (`report`)."""
+                     decision_points: tuple[float, ...] = (), time_attr: str = "epoch") -> int:
+        """Queue a trial for the next free slot of its shape; returns its assignment number. `decision_points`:
+        where ASHA may stop it, in `time_attr` (`report`)."""
         old = self.trials.get(trial_id)
         if old is not None and not old.done:  # Tune runs the trial again (a retry): the old run stops
             self._cancel(old)
         self.seq += 1
-        a = Assignment(self.seq, trial_id, trial, run_dir, scaling_key(trial), max_failures, tuple(decision_epochs))
+        a = Assignment(self.seq, trial_id, trial, run_dir, scaling_key(trial), max_failures, tuple(decision_points),
+                       time_attr)
         self.trials[trial_id] = a
         self.queue.append(a)
         await self._changed()
@@ -185,10 +188,10 @@ class Broker:
         """One epoch of an assignment (`timeline`: its start-up stamps, with its first epoch; `resent`: a restored
         checkpoint's report again, nothing trained); returns whether to go on (False: the trial was ended).
 
-        At an epoch where ASHA decides (the assignment's `decision_epochs`, a rung) the answer waits for Tune's
-        decision (the trial's `ack`, or its end), so a cut trial stops here instead of training one more epoch
-        while the next trial waits for its slot; between rungs ASHA never stops a trial and the slot goes on at
-        once."""
+        At a report where ASHA decides (the first at or past one of the assignment's `decision_points`, a rung, in
+        epochs or training seconds) the answer waits for Tune's decision (the trial's `ack`, or its end), so a cut
+        trial stops here instead of training one more epoch while the next trial waits for its slot; between rungs
+        ASHA never stops a trial and the slot goes on at once."""
         a = self._assignment(seq)
         if a is None or a.done:
             return False
@@ -198,7 +201,8 @@ class Broker:
         if not resent:
             self.busy_s += float(metrics.get("epoch_time_s", 0.0))
         await self._changed()
-        if not resent and int(metrics.get("epoch", 0)) in a.decision_epochs:
+        before, a.clock = a.clock, float(metrics.get(a.time_attr, 0))
+        if not resent and any(before < point <= a.clock for point in a.decision_points):
             count = len(a.reports)
             await self._wait(lambda: a.acked >= count or a.cancelled or a.done, DECISION_WAIT_S)
         return not a.cancelled

@@ -53,7 +53,8 @@ class SweepContext:
     train_storage: str  # absolute folder or URI: each trial's folder is <storage>/<name>/train/trial-<id>
     broker: Any  # the sweep's slots.Broker actor: trials run on its warm worker groups
     batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
-    decision_epochs: tuple[int, ...] = ()  # where the scheduler may stop a trial (decision_epochs())
+    decision_points: tuple[float, ...] = ()  # where the scheduler may stop a trial, in time_attr (decision_points())
+    time_attr: str = "epoch"  # what ASHA counts: epoch or train_seconds
 
 
 def run_trial(knobs: dict, context: SweepContext) -> None:
@@ -73,7 +74,7 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     storage.delete(marker)  # a restored trial tries again
     broker = context.broker
     seq = ray.get(broker.submit.remote(trial_id, trial.to_dict(), storage.join(context.train_storage, name),
-                                       trial.train.max_failures, context.decision_epochs))
+                                       trial.train.max_failures, context.decision_points, context.time_attr))
     since = 0
     while True:
         out = ray.get(broker.poll.remote(trial_id, seq, since))
@@ -191,7 +192,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
                               min(plan.trials_at_once, num_samples))
         scheduler = None if single else asha(config)
         context = SweepContext(config, len(data.train), storage.join(experiment_path, "train"), broker, batch_cap,
-                               decision_epochs(scheduler, config))
+                               decision_points(scheduler, config), config.time_attr)
         del data
         if resumed:
             console.print_resumed(resume_summary(experiment_path, num_samples))
@@ -200,7 +201,8 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             experiment_id, parent_run_id = tracking.open_sweep(
                 tracking_uri, config.experiment_name, run_name=f"{name} {datetime.now():%Y-%m-%d %H:%M:%S}",
                 tags={"raysweep.kind": "train" if single else "tune", "raysweep.storage": str(experiment_path),
-                      "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode},
+                      "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode,
+                      **tracking.target_tags(config.tune.target)},
                 spec_text=spec_yaml(config))
         with tracking.Heartbeat(tracking_uri, parent_run_id):
             progress = console.ConsoleProgress(config, context.train_size, progress_every_s, per_epoch=single)
@@ -220,12 +222,13 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             tracking.end_sweep(tracking_uri, parent_run_id, "KILLED")
             ended = True
             raise KeyboardInterrupt
-        views = [TrialView.of_result(r, config.max_t) for r in results]
-        ranked = rank(views, config.tune.metric, config.tune.mode)
+        views = [TrialView.of_result(r, config.horizon) for r in results]
+        ranked = rank(views, config.tune.metric, config.tune.mode, config.tune.target is not None)
         best = None
         if ranked:
             top = ranked[0]
             best = {"trial_id": top.trial_id, "value": top.value(config.tune.metric),
+                    "time_to_target_s": top.value("time_to_target_s"),
                     "params": config.trial(top.config, context.train_size).params()}
         built = None
         if not single:  # the report is built from the MLflow store, exactly as `raysweep report` rebuilds it
@@ -378,10 +381,13 @@ def make_rung_keeper(scheduler):
             self.scheduler = scheduler
 
         def get_state(self) -> dict:
-            return {"rungs": [[(milestone, dict(recorded)) for milestone, recorded in bracket._rungs]
+            return {"time_attr": self.scheduler._time_attr,
+                    "rungs": [[(milestone, dict(recorded)) for milestone, recorded in bracket._rungs]
                               for bracket in self.scheduler._brackets]}
 
         def set_state(self, state: dict) -> None:
+            if state.get("time_attr", "epoch") != self.scheduler._time_attr:  # rungs of another unit: not these
+                return
             for bracket, rungs in zip(self.scheduler._brackets, state["rungs"]):
                 for (milestone, recorded), (saved_milestone, saved) in zip(bracket._rungs, rungs):
                     if milestone == saved_milestone:
@@ -390,10 +396,12 @@ def make_rung_keeper(scheduler):
     return RungKeeper()
 
 
-def rank(views: list[TrialView], metric: str, mode: str) -> list[TrialView]:
-    """Trials that did not fail and reported `metric`, best first."""
-    ok = [v for v in views if v.status != "failed" and v.value(metric) is not None]
-    return sorted(ok, key=lambda v: v.value(metric), reverse=(mode == "max"))
+def rank(views: list[TrialView], metric: str, mode: str, target: bool = False) -> list[TrialView]:
+    """Trials that did not fail, best first: by `metric`, or with a target by time_to_target_s and then the ones
+    that never reached it by `metric` (metrics.rank)."""
+    from raysweep.metrics import rank as ranked
+
+    return ranked([v for v in views if v.status != "failed"], TrialView.value, metric, mode, target)
 
 
 def resolve_batch_cap(config: SweepConfig, cap_batch: int | None) -> int | None:
@@ -421,20 +429,42 @@ def asha(config: SweepConfig):
 
     a = config.tune.asha
     return ASHAScheduler(
-        time_attr="epoch",  # worker-reported: Tune's training_iteration restarts at 1 after a restore
+        time_attr=config.time_attr,  # worker-reported epoch or train_seconds: Tune's own counters restart on restore
         max_t=config.max_t, grace_period=a.grace_period, reduction_factor=a.reduction_factor,
     )
 
 
-def decision_epochs(scheduler, config: SweepConfig) -> tuple[int, ...]:
-    """The epochs after which `scheduler` may stop a trial: ASHA's rungs (its one bracket's milestones) and max_t
-    where it comes before the last epoch. Between them it always lets a trial go on (slots.Broker.report)."""
+def decision_points(scheduler, config: SweepConfig) -> tuple[float, ...]:
+    """Where `scheduler` may stop a trial, in its time attribute: ASHA's rungs (its one bracket's milestones) and
+    max_t (in epochs, where it comes before the last epoch). ASHA decides at the first report at or past each;
+    between them it always lets a trial go on (slots.Broker.report)."""
     if scheduler is None:
         return ()
-    rungs = {int(milestone) for bracket in scheduler._brackets for milestone, _ in bracket._rungs}
-    if config.max_t < config.train.epochs:
-        rungs.add(config.max_t)
+    rungs = {float(milestone) for bracket in scheduler._brackets for milestone, _ in bracket._rungs}
+    if config.time_attr != "epoch" or config.max_t < config.train.epochs:
+        rungs.add(float(config.max_t))
     return tuple(sorted(rungs))
+
+
+def rung_table(config: SweepConfig, epoch_seconds: dict[int, float]) -> list[list[str]]:
+    """ASHA's rungs (then max_t) in the spec's unit and in the other one for each of the spec's global batches
+    (`epoch_seconds`: training seconds an epoch per global batch, as measured; a batch without one gets '?'):
+    `check` prints it."""
+    scheduler = asha(config)
+    points = sorted({float(m) for b in scheduler._brackets for m, _ in b._rungs} | {float(config.max_t)})
+    batches = config.global_batches()
+    seconds = config.time_attr == "train_seconds"
+    rows = []
+    for i, point in enumerate(points):
+        row = [f"rung {i + 1}" if i < len(points) - 1 else "max_t", f"{point:g} {'s' if seconds else 'ep'}"]
+        for batch in batches:
+            per_epoch = epoch_seconds.get(batch)
+            if per_epoch is None:
+                row.append("?")
+            else:
+                row.append(f"{point / per_epoch:.1f} ep" if seconds else f"{point * per_epoch:.0f} s")
+        rows.append(row)
+    return rows
 
 
 def _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks, scheduler):

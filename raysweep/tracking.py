@@ -363,7 +363,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
         def on_trial_result(self, iteration, trials, trial, result, **info):
             trial_id, knobs = trial.trial_id, dict(trial.config)
             step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
-            values = {k: float(result[k]) for k in (*METRIC_NAMES, *STARTUP_NAMES) if k in result}
+            values = {k: float(result[k]) for k in (*METRIC_NAMES, *STARTUP_NAMES) if result.get(k) is not None}
             worker_params = {k: str(result[k]) for k in WORKER_PARAMS if k in result}
 
             def write():
@@ -387,7 +387,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             trial_id, knobs = trial.trial_id, dict(trial.config)
-            view = TrialView.of_trial(trial, self.config.max_t, ended="complete")
+            view = TrialView.of_trial(trial, self.config.horizon, ended="complete")
 
             def write():
                 run_id = self._run_for(trial_id, knobs)
@@ -402,7 +402,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
 
         def on_trial_error(self, iteration, trials, trial, **info):
             trial_id, knobs = trial.trial_id, dict(trial.config)
-            line = TrialView.of_trial(trial, self.config.max_t, ended="error").error
+            line = TrialView.of_trial(trial, self.config.horizon, ended="error").error
 
             def write():
                 run_id = self._run_for(trial_id, knobs)
@@ -445,9 +445,43 @@ def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric
     if best is not None:
         params = [Param(f"best.{k}", str(v)) for k, v in best["params"].items()]
         now = int(time.time() * 1000)
-        client.log_batch(parent_run_id, metrics=[Metric(f"best_{metric}", float(best["value"]), now, 0)], params=params)
+        metrics = [Metric(f"best_{metric}", float(best["value"]), now, 0)] if best["value"] is not None else []
+        if best.get("time_to_target_s") is not None:
+            metrics.append(Metric("best_time_to_target_s", float(best["time_to_target_s"]), now, 0))
+        client.log_batch(parent_run_id, metrics=metrics, params=params)
         client.set_tag(parent_run_id, "best_trial_id", best["trial_id"])
     end_sweep(tracking_uri, parent_run_id, status)
+
+
+def target_tags(target) -> dict[str, str]:
+    """The parent run's tags for tune.target (config.TargetConfig or None): `report` ranks by them."""
+    if target is None:
+        return {}
+    return {"raysweep.target_metric": target.metric, "raysweep.target_value": repr(target.value)}
+
+
+def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, float]:
+    """Training seconds an epoch per global batch, as the experiment's trials measured them (the median over its
+    runs of train_seconds ÷ epoch, last values): `check` turns rungs into the other unit with it. {} when the
+    store or the experiment does not exist (nothing is created)."""
+    import statistics
+
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():
+        return {}
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return {}
+    seen: dict[int, list[float]] = {}
+    for run in client.search_runs([found.experiment_id], filter_string="metrics.train_seconds > 0",
+                                  max_results=1000):
+        m, batch = run.data.metrics, run.data.params.get("global_batch_size")
+        if batch and m.get("epoch"):
+            seen.setdefault(int(batch), []).append(m["train_seconds"] / m["epoch"])
+    return {b: statistics.median(v) for b, v in seen.items()}
 
 
 def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
@@ -559,6 +593,8 @@ def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = N
 
         tune = (yaml.safe_load(spec_text or "") or {}).get("tune", {})
         metric, mode = tune.get("metric", "val_loss"), tune.get("mode", "min")
+    target = ((tags["raysweep.target_metric"], float(tags["raysweep.target_value"]))
+              if "raysweep.target_metric" in tags else None)
     children = client.search_runs([found.experiment_id], max_results=10_000,
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
                                   order_by=["attributes.start_time ASC"])
@@ -575,7 +611,7 @@ def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = N
         trials.append(RunRecord(info.run_id, ctags.get("trial_id", info.run_name), status, dict(child.data.params),
                                 history, dict(ctags), wall, ctags.get("raysweep.baseline") == "true"))
     return SweepRecord(tracking_uri, experiment, found.experiment_id, parent.info.run_id, parent.info.run_name,
-                       metric, mode or "min", spec_text or "", trials)
+                       metric, mode or "min", spec_text or "", trials, target)
 
 
 def _artifact_text(client, run_id: str, path: str) -> str | None:

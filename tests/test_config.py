@@ -183,6 +183,14 @@ def test_readme_documents_every_key():
     ("data:\n  val_dir: /tmp\n", "val_dir is set but train_dir is not"),
     ("tune:\n  asha: {grace_period: 7}\n", "tune.asha.grace_period: 7 exceeds max_t 6"),
     ("train:\n  epochs: 4\ntune:\n  asha: {max_t: 6}\n", "tune.asha.max_t: 6 exceeds train.epochs 4"),
+    ("tune:\n  asha: {unit: seconds}\n", "tune.asha.unit: seconds needs a horizon in seconds; set tune.asha.max_t"),
+    ("tune:\n  asha: {grace_period: 1.5}\n", "tune.asha.grace_period: 1.5 is not a whole number of epochs"),
+    ("train:\n  time_budget_s: 60.0\ntune:\n  asha: {unit: seconds, max_t: 90}\n",
+     "tune.asha.max_t: 90 s exceeds train.time_budget_s 60"),
+    ("tune:\n  asha: {unit: minutes}\n", "tune.asha.unit: got 'minutes', expected 'epochs' or 'seconds'"),
+    ("tune:\n  target: {metric: val_exact, value: 0.7}\n", "unknown metric 'val_exact' (did you mean 'val_exact_acc'?)"),
+    ("tune:\n  target: {metric: val_exact_acc}\n", "tune.target.value: missing required key"),
+    ("train:\n  time_budget_s: 0\n", "train.time_budget_s: must be above 0.0, got 0"),
 ])
 def test_bad_values_are_one_line_errors(tmp_path, text, expected):
     msg = _error(tmp_path, text)

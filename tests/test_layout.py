@@ -126,7 +126,7 @@ def test_epoch_metrics_are_the_names_the_report_carries():
     from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, EpochMetrics, WorkerParams, report_dict
 
     metrics = EpochMetrics(**{f.name: 1 for f in fields(EpochMetrics)})
-    params = WorkerParams("cpu (1 threads)", "fp32", 16, 2, 1, "n1,n2")
+    params = WorkerParams("cpu (1 threads)", "fp32", 16, 2, 1, "n1,n2", 6)
     report = report_dict(metrics, params)
     assert tuple(report) == METRIC_NAMES + WORKER_PARAMS
     assert all(isinstance(v, (int, float, str)) for v in report.values())  # Ray Train rejects tensors
@@ -134,17 +134,49 @@ def test_epoch_metrics_are_the_names_the_report_carries():
 
 @pytest.mark.parametrize("epoch, errored, expected", [(6, False, "finished"), (2, False, "pruned"), (6, True, "failed")])
 def test_one_rule_for_finished_pruned_failed(epoch, errored, expected):
-    from raysweep.metrics import TrialView, outcome
+    from raysweep.metrics import Horizon, TrialView
 
-    assert outcome(epoch, 6, errored) == expected
+    horizon = Horizon("epoch", 6)
+    assert horizon.outcome({"epoch": epoch}, errored) == expected
 
     class Trial:  # what Tune's callbacks see: still RUNNING while on_trial_complete / on_trial_error run
         trial_id, status, config, last_result = "t1", "RUNNING", {}, {"epoch": epoch}
         error_file, error_msg = None, "ValueError: boom"
 
-    view = TrialView.of_trial(Trial(), 6, ended="error" if errored else "complete")
+    view = TrialView.of_trial(Trial(), horizon, ended="error" if errored else "complete")
     assert view.status == expected and (view.error == "ValueError: boom") == errored
-    assert TrialView.of_trial(Trial(), 6).status == "running"
+    assert TrialView.of_trial(Trial(), horizon).status == "running"
+
+
+def test_a_trial_that_ran_its_own_epochs_or_reached_its_horizon_finished():
+    """Under a time budget a trial runs the epochs that fill it (resolved_epochs): ending there is finishing, not
+    being pruned; in seconds, reaching max_t is; with tune.target's stop, reaching the target is."""
+    from raysweep.metrics import Horizon
+
+    seconds = Horizon("train_seconds", 60.0)
+    assert seconds.outcome({"epoch": 4, "resolved_epochs": 4, "train_seconds": 41.0}, False) == "finished"
+    assert seconds.outcome({"epoch": 3, "resolved_epochs": 9, "train_seconds": 61.0}, False) == "finished"
+    assert seconds.outcome({"epoch": 3, "resolved_epochs": 9, "train_seconds": 31.0}, False) == "pruned"
+    stop = Horizon("epoch", 6, stop_at_target=True)
+    assert stop.outcome({"epoch": 2, "resolved_epochs": 6, "time_to_target_s": 3.0}, False) == "finished"
+    assert Horizon("epoch", 6).outcome({"epoch": 2, "resolved_epochs": 6, "time_to_target_s": 3.0}, False) == "pruned"
+
+
+def test_time_to_target_is_interpolated_between_the_epochs_that_straddle_it_and_ranks_first():
+    from raysweep.metrics import rank, to_target
+
+    # 0.5 at 10 s (epoch 2, 200 samples), 0.9 at 20 s (epoch 3, 300 samples): 0.7 lies halfway
+    assert to_target((10.0, 2.0, 200.0, 0.5), (20.0, 3.0, 300.0, 0.9), 0.7) == pytest.approx((15.0, 2.5, 250.0))
+    assert to_target(None, (4.0, 1.0, 100.0, 0.8), 0.7) == (4.0, 1.0, 100.0)  # reached in its first epoch
+    trials = {"slow": {"val_exact_acc": 0.95, "time_to_target_s": 30.0}, "fast": {"val_exact_acc": 0.8,
+              "time_to_target_s": 12.0}, "never": {"val_exact_acc": 0.6}, "best_never": {"val_exact_acc": 0.65},
+              "silent": {}}
+
+    def value(name, key):
+        return trials[name].get(key)
+
+    assert rank(list(trials), value, "val_exact_acc", "max", target=True) == ["fast", "slow", "best_never", "never"]
+    assert rank(list(trials), value, "val_exact_acc", "max") == ["slow", "fast", "best_never", "never"]
 
 
 def test_train_summary_is_printed_without_a_startup(tmp_path, capsys):

@@ -190,3 +190,60 @@ def test_bf16_autocast_trains_on_cpu_like_fp32():
                              for epoch in (1, 2, 3)]
     assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=0.02)  # same weights, same batches
     assert losses["bf16"][-1] < losses["bf16"][0]
+
+
+def _run_with(trial, epoch_seconds):
+    """A one-process TrainingRun of `trial` whose epochs report `epoch_seconds` of training each (the pace is
+    given, not measured: what resolve_epochs does with a pace is what is tested)."""
+    import dataclasses
+
+    from raysweep.metrics import EpochMetrics
+    from raysweep.worker.run import TrainingRun
+
+    torch.manual_seed(0)
+    net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0), trial.peak_lr)
+    sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, trial.warmup_steps, trial.total_steps)
+    run = TrainingRun(trial, net, sched, None, None, 0, epochs=trial.train.epochs,
+                      resolved=trial.train.time_budget_s is None)
+    base = EpochMetrics(**{f.name: 0.0 for f in dataclasses.fields(EpochMetrics) if f.default is dataclasses.MISSING})
+    reports, clock = [], 0.0
+    for epoch, (seconds, value) in enumerate(epoch_seconds, start=1):
+        clock += seconds
+        m = dataclasses.replace(base, epoch=epoch, train_seconds=clock, samples_seen=epoch * trial.train_size,
+                                val_exact_acc=value)
+        run.resolve_epochs(m, seconds)
+        run.train_seconds = clock
+        reports.append(run.watch_target(m))
+    return run, reports
+
+
+def test_a_time_budget_fixes_the_epochs_and_the_cosine_when_warmup_ends():
+    """train.time_budget_s 10, warmup 2 epochs: after epoch 1 (2 s) the estimate is 1 + 8/2 = 5 epochs but still
+    open (epoch 2 is all warmup); epoch 2 (1 s, steadier) fixes 2 + 7/1 = 9 epochs and the cosine's end; later
+    epochs change nothing. A faster pace gets more epochs, capped at train.epochs; the checkpoint keeps them."""
+    from raysweep.config import TargetConfig
+
+    trial = _trial().model_copy(update={
+        "knobs": Knobs(per_gpu_batch_size=16, base_lr=3e-3, warmup_epochs=2, weight_decay=0.0, grad_accum_steps=1,
+                       lr_rule="none"),
+        "train": TrainConfig(epochs=20, time_budget_s=10.0), "target": TargetConfig(metric="val_exact_acc", value=0.7)})
+    assert trial.steps_per_epoch == 6 and trial.warmup_steps == 12
+    run, _ = _run_with(trial, [(2.0, 0.0)])
+    assert (run.epochs, run.resolved) == (5, False)
+    run, reports = _run_with(trial, [(2.0, 0.1), (1.0, 0.5), (3.0, 0.9), (1.0, 0.95)])
+    assert (run.epochs, run.resolved) == (9, True)
+    assert {s.total_steps for s in run.scheduler.lr_lambdas} == {9 * 6}
+    fast, _ = _run_with(trial, [(0.5, 0.0), (0.25, 0.0)])
+    assert fast.epochs == 20  # 2 + 9.25 / 0.25 = 39, capped at train.epochs
+    # the target (0.7) lies between epoch 2 (0.5 at 3 s) and epoch 3 (0.9 at 6 s): halfway, in every later report
+    assert [r.time_to_target_s for r in reports] == [None, None, pytest.approx(4.5), pytest.approx(4.5)]
+    assert reports[2].epochs_to_target == pytest.approx(2.5)
+    assert reports[2].samples_to_target == pytest.approx(2.5 * trial.train_size)
+    state = run.state(4, {})
+    restored, _ = _run_with(trial, [])
+    assert restored.restore(state) == 5
+    assert (restored.epochs, restored.resolved, restored.to_target) == (9, True, run.to_target)
+    assert {s.total_steps for s in restored.scheduler.lr_lambdas} == {9 * 6}
+    # without a budget nothing moves
+    plain, _ = _run_with(_trial(), [(100.0, 0.0)])
+    assert (plain.epochs, plain.resolved) == (3, True)

@@ -22,7 +22,7 @@ import pytest
 from conftest import tiny_spec, write_spec
 from raysweep.cli import main
 
-PLOTS = ("metric_curves.png", "lr_schedule.png", "batch_lr.png", "throughput_memory.png", "noise_scale.png")
+PLOTS = ("metric_curves.png", "metric_time.png", "lr_schedule.png", "batch_lr.png", "throughput_memory.png", "noise_scale.png")
 SWEEP = dict(
     train={"epochs": 2, "reference_batch_size": 64},
     search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16},

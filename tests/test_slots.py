@@ -175,13 +175,13 @@ def test_a_slot_waits_for_tunes_decision_only_at_the_epochs_where_asha_decides(t
 
     from conftest import tiny_spec, write_spec
     from raysweep.config import load_config
-    from raysweep.sweep import asha, decision_epochs
+    from raysweep.sweep import asha, decision_points
 
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), ["train.epochs=8", "tune.asha.grace_period=1",
                                                                     "tune.asha.reduction_factor=2"])
     scheduler = asha(config)
     scheduler.set_search_properties(config.tune.metric, "min")
-    epochs = decision_epochs(scheduler, config)
+    epochs = decision_points(scheduler, config)
     assert epochs == (1, 2, 4, 8)
 
     class Trial:  # what ASHA reads of a trial
@@ -202,6 +202,7 @@ def test_a_slot_waits_for_tunes_decision_only_at_the_epochs_where_asha_decides(t
         b = Broker(1, Fits().launch)
         seq = await b.submit("a", trial(), "/runs/a", 0, epochs)
         await b.next_assignment(0, None)
+        assert await b.report(seq, {"epoch": 2}, resent=True) is True  # a restored checkpoint's: never waits
         assert await b.report(seq, {"epoch": 3}) is True  # not a rung: no wait
         at_rung = asyncio.ensure_future(b.report(seq, {"epoch": 4}))
         await settle()
@@ -214,6 +215,69 @@ def test_a_slot_waits_for_tunes_decision_only_at_the_epochs_where_asha_decides(t
         await settle()
         await b.ack("b", seq2, 1)  # Tune let it go on
         assert await at_rung is True
+
+    run(go())
+
+
+def test_asha_in_seconds_decides_on_train_seconds_and_a_slot_waits_where_they_cross_a_rung(tmp_path):
+    """tune.asha.unit: seconds. Two trials learn the same per epoch, one at 2 s an epoch, one at 10 s: by epochs
+    they tie, by the seconds they cost the slow one is worse, and ASHA cuts it at the first report past a rung in
+    train_seconds (its first epoch, 10 s ≥ the 8 s rung). The broker waits for Tune exactly at reports that cross
+    a rung."""
+    from ray.tune.schedulers import TrialScheduler
+
+    from conftest import tiny_spec, write_spec
+    from raysweep.config import load_config
+    from raysweep.sweep import asha, decision_points
+
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), [
+        "train.epochs=40", "train.time_budget_s=64", "tune.asha.unit=seconds", "tune.asha.grace_period=8",
+        "tune.asha.reduction_factor=2"])
+    assert (config.time_attr, config.max_t) == ("train_seconds", 64)
+    points = decision_points(asha(config), config)
+    assert points == (8, 16, 32, 64)  # grace × 2^k up to max_t, in seconds
+
+    class Trial:
+        def __init__(self, trial_id):
+            self.trial_id, self.config = trial_id, {}
+
+    def decisions(unit_config, pace):
+        scheduler = asha(unit_config)
+        scheduler.set_search_properties("val_loss", "min")
+        for name in ("fast0", "fast1", "slow"):
+            scheduler.on_trial_add(None, Trial(name))
+        attr = unit_config.time_attr
+        for t in range(2):
+            for epoch in range(1, 33):
+                scheduler.on_trial_result(None, Trial(f"fast{t}"), {"epoch": epoch, "train_seconds": 2.0 * epoch,
+                                                                      "val_loss": 1.0 / epoch})
+        for epoch in range(1, 7):
+            result = {"epoch": epoch, "train_seconds": pace * epoch, "val_loss": 1.0 / epoch}
+            if scheduler.on_trial_result(None, Trial("slow"), result) == TrialScheduler.STOP:
+                return result[attr]
+        return None
+
+    assert decisions(config, 10.0) == 10.0  # cut at 10 s: the fast ones were at 1/4 by 8 s, it at 1/1
+    by_epochs = load_config(write_spec(tmp_path, tiny_spec(tmp_path), "epochs.yaml"), [
+        "train.epochs=40", "tune.asha.grace_period=1", "tune.asha.reduction_factor=2"])
+    assert decisions(by_epochs, 10.0) is None  # in epochs the same curves tie: nothing cut in 6 epochs
+
+    async def go():
+        b = Broker(1, Fits().launch)
+        seq = await b.submit("a", trial(), "/runs/a", 0, points, "train_seconds")
+        await b.next_assignment(0, None)
+        assert await b.report(seq, {"epoch": 1, "train_seconds": 5.0}) is True  # below the first rung
+        crossing = asyncio.ensure_future(b.report(seq, {"epoch": 2, "train_seconds": 10.0}))  # 8 s crossed
+        await settle()
+        assert not crossing.done()
+        await b.ack("a", seq, 2)
+        assert await crossing is True
+        assert await b.report(seq, {"epoch": 3, "train_seconds": 15.0}) is True  # 8 < 15 < 16: no rung
+        crossing = asyncio.ensure_future(b.report(seq, {"epoch": 4, "train_seconds": 40.0}))  # past 16 and 32
+        await settle()
+        assert not crossing.done()
+        await b.end("a")
+        assert await crossing is False
 
     run(go())
 

@@ -102,6 +102,80 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
 
 
 @pytest.mark.ray
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_a_time_budget_sweep_with_asha_in_seconds_and_a_target(ray_cluster, tmp_path, capsys):
+    """train.time_budget_s, tune.asha.unit: seconds and tune.target together, from the store: a trial faster per
+    sample resolves to more epochs than a slower one; every ASHA cut falls on the first report past a rung in
+    train_seconds; time_to_target_s is what the per-epoch history implies; the sweep ranks by it."""
+    from mlflow.tracking import MlflowClient
+
+    spec = tiny_spec(tmp_path, train={"epochs": 8, "reference_batch_size": 64, "time_budget_s": 6.0},
+                     search={"per_gpu_batch_size": {"choice": [4, 32], "default": 4}, "base_lr": 2.0e-3,
+                             "warmup_epochs": 1, "weight_decay": 1.0e-4},
+                     tune={"num_samples": 3, "seed": 1, "asha": {"unit": "seconds", "grace_period": 1.5},
+                           "target": {"metric": "val_loss", "value": 0.3}})
+    assert main(["tune", str(write_spec(tmp_path, spec))]) == 0
+    out = capsys.readouterr().out
+    assert "top trials by time to val_loss ≤ 0.3 (training seconds), then val_loss (min)" in out
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+
+    def history(run, name):
+        return {int(m.step): m.value for m in client.get_metric_history(run.info.run_id, name)}
+
+    resolved = {}
+    for child in children:
+        batch, epochs = int(child.data.params["per_gpu_batch_size"]), int(child.data.params["resolved_epochs"])
+        resolved.setdefault(batch, []).append(epochs)
+        clock, loss = history(child, "train_seconds"), history(child, "val_loss")
+        assert sorted(clock) == list(range(1, max(clock) + 1))
+        assert all(clock[e] < clock[e + 1] for e in range(1, max(clock)))  # monotonic
+        last = max(clock)
+        if child.data.tags.get("stopped_by") == "asha":  # cut at the first report past a rung (1.5, 3 s), only there
+            before = clock.get(last - 1, 0.0)
+            assert any(before < rung <= clock[last] for rung in (1.5, 3.0)), (before, clock[last])
+        else:
+            assert child.info.status == "FINISHED" and (last == epochs or clock[last] >= 6.0)
+        reached = [e for e in sorted(loss) if loss[e] <= 0.3]
+        if reached:  # interpolated between the epochs that straddle 0.3 (the first epoch: its own figures)
+            e = reached[0]
+            expected = clock[e] if e == 1 else clock[e - 1] + (0.3 - loss[e - 1]) / (loss[e] - loss[e - 1]) * (
+                clock[e] - clock[e - 1])
+            assert child.data.metrics["time_to_target_s"] == pytest.approx(expected, rel=1e-6)
+        else:
+            assert "time_to_target_s" not in child.data.metrics
+    assert set(resolved) == {4, 32}, resolved  # both batches ran
+    assert min(resolved[32]) > max(resolved[4])  # faster per sample: more epochs in the same budget
+
+    reached = [c for c in children if "time_to_target_s" in c.data.metrics]
+    assert reached, "no trial reached val_loss 0.3"
+    best = min(reached, key=lambda c: c.data.metrics["time_to_target_s"])
+    assert parent.data.tags["best_trial_id"] == best.info.run_name
+    assert parent.data.metrics["best_time_to_target_s"] == pytest.approx(best.data.metrics["time_to_target_s"])
+    assert parent.data.tags["raysweep.target_metric"] == "val_loss"
+    report = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert "report/metric_time.png" in report
+    html = (tmp_path / "results" / "t" / "report" / "report.html").read_text()
+    assert "<th>time to val_loss ≤ 0.3 (s)</th>" in html and "ranked by the time to <b>val_loss ≤ 0.3</b>" in html
+    if len({int(c.data.params["global_batch_size"]) for c in reached}) > 1:  # the prediction held against the sweep
+        assert "<table id='held'>" in html and "held against this sweep" in out
+
+    # `check` now prints the rungs in epochs too, from the seconds an epoch each batch measured
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "spec.yaml")]) == 0
+    out = capsys.readouterr().out
+    rung = next(line for line in out.splitlines() if line.startswith("#   rung 1"))
+    import statistics
+
+    at_64 = statistics.median(r.data.metrics["train_seconds"] / r.data.metrics["epoch"] for r in children
+                              if r.data.params["global_batch_size"] == "64")
+    assert "1.5 s" in rung and "?" not in rung and f"{1.5 / at_64:.1f} ep" in rung, rung
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["scaling.num_workers=3"], "a trial needs 3 CPUs (3 workers × 1) but the cluster has 2"),
     (["scaling.use_gpu=true"], "scaling.use_gpu: true but the cluster has no GPU"),

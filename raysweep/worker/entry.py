@@ -71,11 +71,13 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, failure_file: str, ca
             on_probed()
         if rank == 0 and run.net.compile_s > 0:
             compile_cache.save_artifacts(cache)
-        for epoch in range(start_epoch, run.trial.train.epochs + 1):
+        epoch = start_epoch
+        while epoch <= run.epochs:  # run.epochs: fixed by the first epoch under a time budget (resolve_epochs)
             payload = report_dict(run.epoch(epoch), run.worker_params())
             trained = True
-            if not send(payload, epoch):
+            if not send(payload, epoch) or run.stops_at_target:
                 break
+            epoch += 1
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         if rank == 0:
             write_failure(failure_file, failure)
@@ -139,7 +141,8 @@ def slot_worker(config: dict) -> None:
 
         def send(payload: dict, epoch: int | None, run=run, run_dir=run_dir, seq=seq) -> bool:
             nonlocal timeline
-            due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch == run.trial.train.epochs)
+            due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch >= run.epochs
+                                         or run.stops_at_target)
             go = True
             if rank == 0:
                 # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually

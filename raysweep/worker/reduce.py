@@ -22,8 +22,10 @@ def all_reduce_named(values: dict[str, object], op, device: torch.device) -> dic
 
 def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoch_time_s: float, epoch: int,
                    samples_before: int, lr: float | torch.Tensor, device: torch.device,
-                   compile_s: float = 0.0) -> EpochMetrics:
-    """Two collectives per epoch (a SUM and a MAX); the epoch's host syncs are here."""
+                   compile_s: float = 0.0, seconds_before: float = 0.0,
+                   work_time_s: float | None = None) -> EpochMetrics:
+    """Two collectives per epoch (a SUM and a MAX); the epoch's host syncs are here. `work_time_s`: the epoch's
+    seconds but the compiling inside it (default: epoch_time_s), added to `seconds_before` for train_seconds."""
     import psutil
 
     cuda = device.type == "cuda"
@@ -43,6 +45,7 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
         "train_time_s": train_time_s,
         "epoch_time_s": epoch_time_s,
         "compile_s": compile_s,
+        "work_time_s": epoch_time_s if work_time_s is None else work_time_s,
     }, dist.ReduceOp.MAX, device)
     steps = s["optimizer_steps"]  # every rank counted the same optimizer steps, and saw the same norms
     n, vn = s["train_samples"], max(s["val_samples"], 1)
@@ -69,6 +72,7 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
         peak_mem_reserved_gb=m["peak_mem_reserved_gb"],
         rss_gb=m["rss_gb"],
         compile_s=m["compile_s"],
+        train_seconds=seconds_before + max(m["work_time_s"], 0.0),
         grad_noise_scale=noise.grad_noise_scale if noise else None,
         grad_sq_norm=noise.grad_sq_norm if noise else None,
         grad_trace_cov=noise.grad_trace_cov if noise else None,

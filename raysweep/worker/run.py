@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from raysweep.config import TrialConfig
-from raysweep.metrics import EpochMetrics, WorkerParams
+from raysweep.metrics import EpochMetrics, WorkerParams, reached, to_target
 from raysweep.optim import build_scheduler
 from raysweep.worker.device import device_name, release_host_memory
 from raysweep.worker.evaluate import evaluate
@@ -41,6 +43,11 @@ class TrainingRun:
     nodes: str = ""  # every rank's Ray node id, by rank
     last_report: dict | None = None  # what the restored checkpoint's epoch reported
     compile_reported_s: float = 0.0  # net.compile_s already reported
+    epochs: int = 0  # the epochs this trial runs: train.epochs, or what fills train.time_budget_s (resolve_epochs)
+    resolved: bool = False  # under a time budget: whether `epochs` has been fixed yet
+    train_seconds: float = 0.0  # training seconds so far (EpochMetrics.train_seconds)
+    target_point: tuple | None = None  # the last epoch's (train_seconds, epoch, samples_seen, target metric)
+    to_target: tuple | None = None  # (seconds, epochs, samples) to tune.target, once reached
 
     @classmethod
     def build(cls, trial: TrialConfig, data, rank: int, world_size: int, device: torch.device, wrap=None,
@@ -54,7 +61,8 @@ class TrainingRun:
             classes = trial.image.num_classes
             shards = (Shard.build(data.train, rank, world_size, classes, device),
                       Shard.build(data.val, rank, world_size, classes, device))
-        return cls(trial, net, scheduler, *shards, rank)
+        return cls(trial, net, scheduler, *shards, rank, epochs=trial.train.epochs,
+                   resolved=trial.train.time_budget_s is None)
 
     def restore(self, state: dict | None) -> int:
         """Continue from a checkpoint's state (`entry.load_latest`) if there is one; returns the epoch to start at."""
@@ -66,6 +74,9 @@ class TrainingRun:
         self.net.scaler.load_state_dict(state["scaler"])
         self.samples_seen = state["samples_seen"]
         self.last_report = state.get("report")
+        self.train_seconds = state.get("train_seconds", 0.0)
+        self.epochs, self.resolved = state.get("epochs", self.epochs), state.get("resolved", self.resolved)
+        self.target_point, self.to_target = state.get("target_point"), state.get("to_target")
         if self.rank == 0:
             log.info("resumed from checkpoint at epoch %d", state["epoch"])
         return state["epoch"] + 1
@@ -104,11 +115,54 @@ class TrainingRun:
         net = self.net
         return {"model": net.core.state_dict(), "optimizer": net.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": net.scaler.state_dict(), "epoch": epoch,
-                "samples_seen": self.samples_seen, "report": reported}
+                "samples_seen": self.samples_seen, "report": reported, "train_seconds": self.train_seconds,
+                "epochs": self.epochs, "resolved": self.resolved, "target_point": self.target_point,
+                "to_target": self.to_target}
 
     def worker_params(self) -> WorkerParams:
         return WorkerParams(device_name(self.net.device), self.net.precision, self.micro_batch,
-                            self.trial.accumulation_steps, self.downshifts, self.nodes)
+                            self.trial.accumulation_steps, self.downshifts, self.nodes, self.epochs)
+
+    def resolve_epochs(self, metrics: EpochMetrics, pace_s: float) -> None:
+        """Under train.time_budget_s: the epochs (at most train.epochs, at least the ones run) whose training seconds
+        fill the budget, at this epoch's pace (`pace_s`: its seconds, compiling excluded), and the cosine fitted to
+        them. Estimated again after every epoch while the next one is still all warmup (the LR there does not depend
+        on the end), so a warmup of several epochs times a later, steadier epoch; fixed once the next epoch reaches
+        the cosine. Every rank computes it from the same reduced figures."""
+        budget, trial = self.trial.train.time_budget_s, self.trial
+        if self.resolved or budget is None:
+            return
+        left = budget - metrics.train_seconds
+        fits = metrics.epoch + (math.floor(left / pace_s) if pace_s > 0 else trial.train.epochs)
+        self.epochs = max(metrics.epoch, min(trial.train.epochs, fits))
+        for schedule in self.scheduler.lr_lambdas:  # optim.WarmupCosine: the same steps, a new end
+            schedule.total_steps = self.epochs * trial.steps_per_epoch
+        self.resolved = (metrics.epoch + 1) * trial.steps_per_epoch > trial.warmup_steps
+        if self.resolved and self.rank == 0:
+            log.info("time budget %.0f s: %.2f s an epoch at epoch %d → %d epochs (train.epochs %d)", budget, pace_s,
+                     metrics.epoch, self.epochs, trial.train.epochs)
+
+    def watch_target(self, metrics: EpochMetrics) -> EpochMetrics:
+        """tune.target: once an epoch reaches it, the time to it (metrics.to_target) goes with every report."""
+        target = self.trial.target
+        if target is None:
+            return metrics
+        if self.to_target is None:
+            value = getattr(metrics, target.metric)
+            point = (metrics.train_seconds, float(metrics.epoch), float(metrics.samples_seen), value)
+            if reached(value, target.value, target.mode):
+                self.to_target = to_target(self.target_point, point, target.value)
+            self.target_point = point
+        if self.to_target is None:
+            return metrics
+        seconds, epochs, samples = self.to_target
+        return dataclasses.replace(metrics, time_to_target_s=seconds, epochs_to_target=epochs,
+                                   samples_to_target=samples)
+
+    @property
+    def stops_at_target(self) -> bool:
+        """tune.target with stop: true, reached: the trial ends after this epoch's report."""
+        return self.to_target is not None and self.trial.target is not None and self.trial.target.stop
 
     def epoch(self, epoch: int) -> EpochMetrics:
         """Train one epoch, evaluate, reduce across ranks."""
@@ -118,17 +172,22 @@ class TrainingRun:
         torch.manual_seed(hash((self.trial.train.seed, epoch, self.rank)) & 0x7FFF_FFFF)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        compile_before = self.net.compile_s
         t0 = time.perf_counter()
         train = train_one_epoch(self.net, self.train, self.scheduler, self.trial, epoch, self.rank)
         if cuda:
             torch.cuda.synchronize(device)  # once per epoch: make the timing honest
         train_time_s = time.perf_counter() - t0
         val = evaluate(self.net.core, self.val, self.trial, self.net.precision)
+        epoch_time_s = time.perf_counter() - t0
         compile_s, self.compile_reported_s = self.net.compile_s - self.compile_reported_s, self.net.compile_s
-        metrics = reduce_metrics(train, val, train_time_s=train_time_s, epoch_time_s=time.perf_counter() - t0,
+        metrics = reduce_metrics(train, val, train_time_s=train_time_s, epoch_time_s=epoch_time_s,
                                  epoch=epoch, samples_before=self.samples_seen, lr=self.scheduler.get_last_lr()[0],
-                                 device=device, compile_s=compile_s)
-        self.samples_seen = metrics.samples_seen
+                                 device=device, compile_s=compile_s, seconds_before=self.train_seconds,
+                                 work_time_s=epoch_time_s - (self.net.compile_s - compile_before))
+        self.resolve_epochs(metrics, metrics.train_seconds - self.train_seconds)
+        self.samples_seen, self.train_seconds = metrics.samples_seen, metrics.train_seconds
+        metrics = self.watch_target(metrics)
         if not cuda:
             release_host_memory()
         return metrics
