@@ -52,7 +52,8 @@ class Run:
         return e.grad_noise_scale if e else None
 
 
-def train_to_target(config, data, batch: int, target: float, max_samples: int, eval_every: int, seed: int) -> Run:
+def train_to_target(config, data, batch: int, target: float, max_samples: int, eval_every: int, seed: int,
+                    lr_factor: float = 1.0) -> Run:
     from raysweep.data import CaptchaArrays
     from raysweep.optim import build_scheduler
     from raysweep.worker.device import keep_host_memory
@@ -64,7 +65,9 @@ def train_to_target(config, data, batch: int, target: float, max_samples: int, e
     device = torch.device("cpu")
     keep_host_memory(device)
     chunk = max(batch, eval_every)  # samples between evaluations: whole steps
-    trial = config.trial({**config.default_knobs(), "per_gpu_batch_size": batch // 2, "grad_accum_steps": 2}, chunk)
+    knobs = config.default_knobs()
+    trial = config.trial({**knobs, "per_gpu_batch_size": batch // 2, "grad_accum_steps": 2,
+                          "base_lr": knobs["base_lr"] * lr_factor}, chunk)
     assert trial.global_batch_size == batch and trial.steps_per_epoch == chunk // batch
     net = RankModel.build(trial, device)  # same seed → the same initial weights for every batch size
     scheduler = build_scheduler(net.optimizer, trial.peak_lr, trial.peak_lr, 0, 10**9)  # constant peak LR
@@ -115,12 +118,16 @@ def main() -> int:
     p.add_argument("--train-size", type=int, default=4096, help="synthetic training images")
     p.add_argument("--max-samples", type=int, default=60_000, help="give up on a batch size after this many samples")
     p.add_argument("--eval-every", type=int, default=256, help="samples between loss measurements (at least a step)")
+    p.add_argument("--lr-factors", default="1",
+                   help="each batch runs at these multiples of its rule's peak LR and keeps its best (fewest samples "
+                        "to the target): the model assumes every batch at its own best LR; 1 = the rule's LR alone")
     p.add_argument("--quick", action="store_true", help="tiny images and batches, a loose target: checks the plumbing")
     a = p.parse_args()
     overrides = ["scaling.num_workers=1", f"data.synthetic.train_size={a.train_size}", "data.synthetic.val_size=8"]
     if a.quick:
         overrides += ["data.width=64", "data.height=24"]
         a.batches, a.target, a.max_samples, a.eval_every, a.train_size = "4,8,16,32", 0.3, 2048, 32, 512
+        a.lr_factors = "1,2" if a.lr_factors != "1" else "1"
         overrides[1] = f"data.synthetic.train_size={a.train_size}"
     config = load_config(a.spec, overrides, sweep=False)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -130,14 +137,21 @@ def main() -> int:
           f"{config.data.width}×{config.data.height}, lr_rule {config.train.lr_rule} from base_lr "
           f"{config.default_knobs()['base_lr']:.2e} at {config.train.reference_batch_size}, target loss {a.target} "
           f"(fixed 512-image training slice, eval mode), {torch.get_num_threads()} threads", flush=True)
+    factors = [float(f) for f in a.lr_factors.split(",")]
     runs = []
     for batch in batches:
-        run = train_to_target(config, data, batch, a.target, a.max_samples, a.eval_every, seed=0)
-        runs.append(run)
-        reached = f"{run.samples:,.0f} samples, {run.steps:,.1f} steps" if run.samples else "not reached"
-        print(f"  B={batch:<5d} peak LR {run.peak_lr:.2e}: {reached} in {run.wall_s:.0f}s; "
-              f"B_noise measured {run.noise_scale() or float('nan'):,.0f}; loss curve "
-              + " ".join(f"{s}:{loss:.3f}" for s, _, loss in run.curve[:: max(1, len(run.curve) // 8)]), flush=True)
+        tried = []
+        for factor in factors:
+            run = train_to_target(config, data, batch, a.target, a.max_samples, a.eval_every, seed=0, lr_factor=factor)
+            tried.append(run)
+            reached = f"{run.samples:,.0f} samples, {run.steps:,.1f} steps" if run.samples else "not reached"
+            print(f"  B={batch:<5d} peak LR {run.peak_lr:.2e} (×{factor:g}): {reached} in {run.wall_s:.0f}s; "
+                  f"B_noise measured {run.noise_scale() or float('nan'):,.0f}; loss curve "
+                  + " ".join(f"{s}:{loss:.3f}" for s, _, loss in run.curve[:: max(1, len(run.curve) // 8)]), flush=True)
+        # the batch's best LR: the fewest samples to the target (a run that never got there ranks last)
+        runs.append(min(tried, key=lambda r: r.samples if r.samples is not None else math.inf))
+    if len(factors) > 1:
+        print("best LR per batch: " + ", ".join(f"B={r.batch} {r.peak_lr:.2e}" for r in runs), flush=True)
     base = runs[0]
     noise = base.noise_scale()
     if base.samples is None or not noise:
