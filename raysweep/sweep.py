@@ -212,7 +212,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
                                                        functools.partial(slots.recorded, experiment_path)),
                          console.make_console_callback(progress)]
             results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
-                             callbacks, scheduler).fit()
+                             callbacks, scheduler, (tracking_uri, parent_run_id)).fit()
             tracking.flush_writes(parent_run_id)  # the trials' runs whole before anything reads or ends them
         wall_s = time.monotonic() - t_start
         busy = busy_share(ray.get(broker.state.remote())["busy_s"], wall_s, plan.trials_at_once)
@@ -366,19 +366,26 @@ def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
     return ResumeSummary(len(ended), running, num_samples - len(ended) - len(running))
 
 
-def make_rung_keeper(scheduler):
+def make_rung_keeper(scheduler, tracking_uri: str | None = None, parent_run_id: str | None = None):
     """A Tune callback that saves ASHA's rung records with the experiment and puts them back on restore.
 
     `Tuner.restore` does not save the scheduler (ray #30838): without this a resumed sweep forgets every
     rung recorded before the crash and stops cutting trials until the rungs refill. The callback and the
     scheduler are pickled together in the tuner's state, so after a restore this callback holds the
     restored scheduler; Tune saves callback states beside its experiment state, on `storage_path`.
+
+    That state is only as new as Tune's last periodic save: a trial recorded at a rung after it (and before a
+    crash) would be missing, and its resumed run judged again at that rung. So on restore the rungs are also
+    replayed from the MLflow store (the sweep's parent run: every trial's reported history, which the slots never
+    run ahead of), through ASHA's own bookkeeping: what a rung already holds stays; what only the store knew is
+    added. Rung records are per time attribute (epoch, train_seconds): a state of another unit is not used.
     """
     from ray.tune import Callback
 
     class RungKeeper(Callback):
         def __init__(self):
             self.scheduler = scheduler
+            self.tracking_uri, self.parent_run_id = tracking_uri, parent_run_id
 
         def get_state(self) -> dict:
             return {"time_attr": self.scheduler._time_attr,
@@ -386,14 +393,49 @@ def make_rung_keeper(scheduler):
                               for bracket in self.scheduler._brackets]}
 
         def set_state(self, state: dict) -> None:
-            if state.get("time_attr", "epoch") != self.scheduler._time_attr:  # rungs of another unit: not these
-                return
-            for bracket, rungs in zip(self.scheduler._brackets, state["rungs"]):
-                for (milestone, recorded), (saved_milestone, saved) in zip(bracket._rungs, rungs):
-                    if milestone == saved_milestone:
-                        recorded.update(saved)
+            if state.get("time_attr", "epoch") == self.scheduler._time_attr:  # rungs of another unit: not these
+                for bracket, rungs in zip(self.scheduler._brackets, state["rungs"]):
+                    for (milestone, recorded), (saved_milestone, saved) in zip(bracket._rungs, rungs):
+                        if milestone == saved_milestone:
+                            recorded.update(saved)
+            if getattr(self, "tracking_uri", None) and getattr(self, "parent_run_id", None):
+                try:
+                    self.replay(trial_histories(self.tracking_uri, self.parent_run_id, self.scheduler._time_attr,
+                                                self.scheduler._metric))
+                except Exception as e:  # the saved rungs still hold; say what could not be added
+                    log.warning("ASHA's rungs not refilled from MLflow (%s: %s)", type(e).__name__, e)
+
+        def replay(self, histories: dict[str, list[tuple[float, float]]]) -> None:
+            """Each trial's (time, metric) reports in order, through ASHA's own rung bookkeeping (a trial is
+            recorded once per rung, at its first report at or past it); its decisions are not acted on here."""
+            class Stub:
+                def __init__(self, trial_id):
+                    self.trial_id = trial_id
+
+            op = self.scheduler._metric_op
+            for trial_id, reports in histories.items():
+                for time_value, metric in reports:
+                    for bracket in self.scheduler._brackets:
+                        bracket.on_result(Stub(trial_id), time_value, op * metric)
 
     return RungKeeper()
+
+
+def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metric: str) -> dict:
+    """{trial id: [(time_attr, metric) per reported epoch, in order]} of a sweep's children, from the store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    out = {}
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                    max_results=10_000):
+        clock = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, time_attr)}
+        values = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, metric)}
+        reports = [(clock[e], values[e]) for e in sorted(clock) if e in values]
+        if reports:
+            out[child.data.tags.get("trial_id", child.info.run_name)] = reports
+    return out
 
 
 def rank(views: list[TrialView], metric: str, mode: str, target: bool = False) -> list[TrialView]:
@@ -467,7 +509,8 @@ def rung_table(config: SweepConfig, epoch_seconds: dict[int, float]) -> list[lis
     return rows
 
 
-def _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks, scheduler):
+def _tuner(config, context, plan, single, resume, experiment_path, storage_root, name, callbacks, scheduler,
+           rung_store=(None, None)):
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -494,7 +537,7 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage_root,
         # trials then wait for workers until they time out
         search_alg = BasicVariantGenerator(points_to_evaluate=first, random_state=t.seed,
                                            max_concurrent=plan.trials_at_once)
-        callbacks = [*callbacks, make_rung_keeper(scheduler)]
+        callbacks = [*callbacks, make_rung_keeper(scheduler, *rung_store)]
     return tune.Tuner(
         trainable,
         param_space=param_space,

@@ -381,6 +381,25 @@ def test_the_noise_meter_measures_inside_a_graph(device, exact_fp32):
     assert float(sums[True].noise_steps) == 8 and sums[True].noise_split == 2
 
 
+@gpu_only
+def test_one_rank_measures_the_noise_scale_by_halves_between_graph_replays(device, exact_fp32):
+    """One rank, one micro-batch, CUDA graphs: every 4th step runs eagerly with the meter's half-batch backward
+    (steps 1, 5, 9, 13 of 16), the others replay the graph; the sums and the weights match an eager epoch (the CPU
+    runs this path eagerly in tests/test_noise.py)."""
+    arrays = _arrays(256)
+    sums, weights = {}, {}
+    for graphs in (False, True):
+        trial = _trial(batch=16, accum=1, graphs=graphs, epochs=1)
+        net, scheduler, shard = _parts(trial, device, arrays)
+        sums[graphs] = train_one_epoch(net, shard, scheduler, trial, 1, 0)
+        weights[graphs] = torch.cat([t.detach().flatten().double() for t in net.core.state_dict().values()])
+        assert (_only_step(net).graph is not None) == graphs
+    for name in ("noise_small", "noise_big", "noise_steps"):
+        assert float(getattr(sums[True], name)) == pytest.approx(float(getattr(sums[False], name)), rel=1e-4)
+    assert float(sums[True].noise_steps) == 4 and sums[True].noise_split == 2
+    torch.testing.assert_close(weights[True], weights[False], rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Two ranks (gloo): CPU tensors on the CPU, CUDA tensors on one GPU
 

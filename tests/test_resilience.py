@@ -192,6 +192,52 @@ def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
     assert decision(restore=False) == TrialScheduler.CONTINUE  # what Ray alone does: an empty rung cuts nothing
 
 
+def test_resumed_asha_refills_its_rungs_from_the_store_past_tunes_last_save(tmp_path):
+    """Tune saves the RungKeeper's state every few seconds; a trial recorded at a rung after the last save (and
+    before a crash) is in the MLflow store only. On restore the rungs are replayed from it (in seconds here), so
+    the rung cuts as it did, and a resumed trial is not judged again at a rung it passed."""
+    import ray.cloudpickle as cloudpickle
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    from raysweep.sweep import make_rung_keeper
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("t")
+    parent = client.create_run(experiment).info.run_id
+    histories = {"a": [(2.0, 0.5), (4.0, 0.3)], "b": [(3.0, 0.4), (6.0, 0.2)], "c": [(2.5, 0.6)]}
+    for trial_id, reports in histories.items():
+        run = client.create_run(experiment, run_name=trial_id, tags={"mlflow.parentRunId": parent,
+                                                                      "trial_id": trial_id}).info.run_id
+        client.log_batch(run, metrics=[Metric(k, v, 0, epoch) for epoch, (t, loss) in enumerate(reports, 1)
+                                       for k, v in (("train_seconds", t), ("val_loss", loss))])
+
+    class Trial:
+        def __init__(self, trial_id):
+            self.trial_id = trial_id
+
+    def fresh():
+        scheduler = ASHAScheduler(time_attr="train_seconds", metric="val_loss", mode="min", max_t=8, grace_period=2,
+                                  reduction_factor=2)
+        return scheduler, make_rung_keeper(scheduler, uri, parent)
+
+    saved = fresh()[1].get_state()  # Tune's last save came before any trial reached a rung
+    scheduler, callback = cloudpickle.loads(cloudpickle.dumps(fresh()))
+    callback.set_state(saved)
+    rungs = {milestone: recorded for milestone, recorded in scheduler._brackets[0]._rungs}
+    assert rungs[2.0] == {"a": -0.5, "b": -0.4, "c": -0.6}  # each at its first report at or past 2 s
+    assert rungs[4.0] == {"a": -0.3, "b": -0.2}  # b's 6 s report is its first past 4 s
+    scheduler.on_trial_add(None, Trial("d"))
+    assert scheduler.on_trial_result(None, Trial("d"), {"train_seconds": 2.0, "val_loss": 0.9}) == TrialScheduler.STOP
+    # a state of another unit is not used; the store still refills
+    other = {**saved, "time_attr": "epoch", "rungs": [[(m, {"zzz": -0.01}) for m, _ in b] for b in saved["rungs"]]}
+    scheduler, callback = cloudpickle.loads(cloudpickle.dumps(fresh()))
+    callback.set_state(other)
+    assert "zzz" not in scheduler._brackets[0]._rungs[-1][1] and "a" in scheduler._brackets[0]._rungs[-1][1]
+
+
 # ---------------------------------------------------------------------------------------------
 # A restart is exact: the rank code of a run restored from a checkpoint continues as the uninterrupted run would
 
