@@ -179,6 +179,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeline", action="store_true", help="only: which processes a trial starts, when, at what CPU cost (two trials)")
+    p.add_argument("--and-timeline", action="store_true",
+                   help="the timeline's two trials first, then the overhead figures, on one cluster (the tests' way)")
     a = p.parse_args()
     scale, epochs, repeats = (16, 3, 1) if a.quick else (1, 8, a.repeats)
 
@@ -198,15 +200,17 @@ def main() -> int:
         ray.init(num_cpus=2, **ray_init_kwargs())
         init_s = time.time() - t0
         refs = {name: ray.put(data) for name, (_, data) in setups.items()}
-        if a.timeline:
+        if a.timeline or a.and_timeline:
             try:
                 config, data = setups["all cores"]
                 time.sleep(2)  # let the cluster's own start-up settle
                 for label in ("the first on this cluster", "a later one"):
                     timeline(config, refs["all cores"], len(data.train), tmp / "stamps.jsonl", label)
             finally:
-                ray.shutdown()
-            return 0
+                if a.timeline:
+                    ray.shutdown()
+            if a.timeline:
+                return 0
         try:
             for rep in range(repeats):
                 for name, (config, data) in setups.items():

@@ -40,9 +40,11 @@ def epoch_line(r: dict, epochs: int) -> str:
            else f"rss {r.get('rss_gb', 0):.2f} GiB")
     noise = f"  B_noise {fmt(r.get('grad_noise_scale'), ',.0f')}" if "grad_noise_scale" in r else ""
     compiled = f"  compiled in {r['compile_s']:.1f}s" if r.get("compile_s") else ""
+    clock = f"  {r['train_seconds']:.1f} s trained" if r.get("train_seconds") else ""
+    reached = f"  target in {r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") is not None else ""
     return (f"epoch {int(r['epoch'])}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
             f"val_exact_acc {r['val_exact_acc']:.3f}  val_char_acc {r['val_char_acc']:.3f}  lr {r['lr']:.2e}  "
-            f"{r['samples_per_s']:,.0f} samples/s  {mem}{noise}{compiled}")
+            f"{r['samples_per_s']:,.0f} samples/s  {mem}{noise}{compiled}{clock}{reached}")
 
 
 class ConsoleProgress:
@@ -87,7 +89,7 @@ class ConsoleProgress:
             line = startup_line(self.startups[trial_id])
             print(line if self.per_epoch else f"[{now()}] up     {trial_id}: {line}", flush=True)
         if self.per_epoch:
-            print(epoch_line(result, self.config.train.epochs), flush=True)
+            print(epoch_line(result, int(result.get("resolved_epochs", self.config.train.epochs))), flush=True)
 
     def trial_end(self, view: TrialView) -> None:
         metric = self.config.tune.metric

@@ -33,8 +33,20 @@ def test_loop_vs_seed_quick():
 
 
 @pytest.mark.ray
-def test_ray_overhead_quick():
-    out = _run("ray_overhead.py")
+def test_ray_overhead_quick_and_the_timeline_of_the_processes_a_trial_starts():
+    """One cluster for both (CI time): the timeline's two trials, then the overhead figures."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ray_overhead.py"), "--quick", "--and-timeline"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    tables = out.split("timeline of a 1-epoch trial, ")[1:]
+    assert [t.split(" (")[0] for t in tables] == ["the first on this cluster", "a later one"]
+    for table in tables:
+        table = table.split("ray_overhead on ")[0]
+        assert "ray::RayTrainWorker" in table and "ray::SynchronizationActor" in table
+        assert "first report reaches the controller" in table
+        assert "DatasetManager" not in table and "PreemptionWatcher" not in table
+    assert re.fullmatch(r"RESULT \w+ (ratio|value)=\d+\.\d+", out.strip().splitlines()[-1])
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("all cores ", "a core spare "))]
     assert [r[-6] for r in rows] == ["128", "64"]  # images per configuration (--quick)
     assert all(float(v) > 0 for r in rows for v in r[-5:])  # bare, Ray, worker own, ratio, first report
@@ -47,19 +59,6 @@ def test_gpu_throughput_quick_checks_the_code_path_on_cpu():
     assert "MFLOP per image forward+backward" in out
     rows = [ln for ln in out.splitlines() if re.match(r"\s+(8|16)\s+(fp32|bf16)\s+off\s+eager", ln)]
     assert len(rows) == 2 * 2  # batches × precisions, eager on a CPU
-
-
-@pytest.mark.ray
-def test_ray_overhead_timeline_lists_the_processes_a_trial_starts():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ray_overhead.py"), "--quick", "--timeline"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tables = proc.stdout.split("timeline of a 1-epoch trial, ")[1:]
-    assert [t.split(" (")[0] for t in tables] == ["the first on this cluster", "a later one"]
-    for table in tables:
-        assert "ray::RayTrainWorker" in table and "ray::SynchronizationActor" in table
-        assert "first report reaches the controller" in table
-        assert "DatasetManager" not in table and "PreemptionWatcher" not in table
 
 
 def test_noise_cost_quick():

@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_spec, write_spec
 from raysweep.cli import main
 from raysweep.config import load_config
-from raysweep.metrics import METRIC_NAMES
+from raysweep.metrics import METRIC_NAMES, TARGET_NAMES
 
 pytestmark = pytest.mark.ray
 
@@ -43,7 +43,9 @@ def test_train_command_three_epochs_two_workers(ray_cluster, tmp_path, capsys):
     values = {}
     for name in METRIC_NAMES:  # every metric of DESIGN.md, every epoch
         values[name] = {m.step: m.value for m in client.get_metric_history(child.info.run_id, name)}
-        if name != "grad_noise_scale":
+        if name in TARGET_NAMES:  # only with a tune.target
+            assert not values[name], name
+        elif name != "grad_noise_scale":
             assert sorted(values[name]) == [1, 2, 3], name
     # B_noise = tr(Σ) / |G|² wherever both smoothed parts came out positive (2 workers: a pair every step)
     positive = [e for e in (1, 2, 3) if values["grad_sq_norm"][e] > 0 and values["grad_trace_cov"][e] > 0]
