@@ -400,6 +400,8 @@ def make_rung_keeper(scheduler, tracking_uri: str | None = None, parent_run_id: 
                             recorded.update(saved)
             if getattr(self, "tracking_uri", None) and getattr(self, "parent_run_id", None):
                 try:
+                    from raysweep.tracking import trial_histories
+
                     self.replay(trial_histories(self.tracking_uri, self.parent_run_id, self.scheduler._time_attr,
                                                 self.scheduler._metric))
                 except Exception as e:  # the saved rungs still hold; say what could not be added
@@ -419,23 +421,6 @@ def make_rung_keeper(scheduler, tracking_uri: str | None = None, parent_run_id: 
                         bracket.on_result(Stub(trial_id), time_value, op * metric)
 
     return RungKeeper()
-
-
-def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metric: str) -> dict:
-    """{trial id: [(time_attr, metric) per reported epoch, in order]} of a sweep's children, from the store."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    experiment_id = client.get_run(parent_run_id).info.experiment_id
-    out = {}
-    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                    max_results=10_000):
-        clock = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, time_attr)}
-        values = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, metric)}
-        reports = [(clock[e], values[e]) for e in sorted(clock) if e in values]
-        if reports:
-            out[child.data.tags.get("trial_id", child.info.run_name)] = reports
-    return out
 
 
 def rank(views: list[TrialView], metric: str, mode: str, target: bool = False) -> list[TrialView]:

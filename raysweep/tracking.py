@@ -484,6 +484,23 @@ def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, floa
     return {b: statistics.median(v) for b, v in seen.items()}
 
 
+def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metric: str) -> dict:
+    """{trial id: [(time_attr, metric) per reported epoch, in order]} of a sweep's children, from the store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    out = {}
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                    max_results=10_000):
+        clock = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, time_attr)}
+        values = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, metric)}
+        reports = [(clock[e], values[e]) for e in sorted(clock) if e in values]
+        if reports:
+            out[child.data.tags.get("trial_id", child.info.run_name)] = reports
+    return out
+
+
 def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
     """The time-to-target table (`rec`: noise.Recommendation) on a run: metrics `grad_noise_scale` and
     `recommended_global_batch`, and the table as recommendation.json."""

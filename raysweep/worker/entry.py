@@ -72,7 +72,7 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, failure_file: str, ca
         if rank == 0 and run.net.compile_s > 0:
             compile_cache.save_artifacts(cache)
         epoch = start_epoch
-        while epoch <= run.epochs:  # run.epochs: fixed by the first epoch under a time budget (resolve_epochs)
+        while epoch <= run.epochs:  # run.epochs: under a time budget, fixed by the end of warmup (resolve_epochs)
             payload = report_dict(run.epoch(epoch), run.worker_params())
             trained = True
             if not send(payload, epoch) or run.stops_at_target:
