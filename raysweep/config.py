@@ -284,6 +284,16 @@ class AshaConfig(_Section):
     )
 
 
+def _rankable(metric: str) -> None:
+    """A ValueError naming the closest rankable metric, unless `metric` is one (tune.metric, tune.target.metric)."""
+    from raysweep.metrics import RANKABLE_METRICS
+
+    if metric not in RANKABLE_METRICS:
+        close = difflib.get_close_matches(metric, RANKABLE_METRICS, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "one of " + ", ".join(RANKABLE_METRICS)
+        raise ValueError(f"unknown metric {metric!r} ({hint})")
+
+
 class TargetConfig(_Section):
     """A value of a metric to reach: trials are compared by how long they take to get there."""
 
@@ -293,12 +303,7 @@ class TargetConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self):
-        from raysweep.metrics import RANKABLE_METRICS
-
-        if self.metric not in RANKABLE_METRICS:
-            close = difflib.get_close_matches(self.metric, RANKABLE_METRICS, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else "one of " + ", ".join(RANKABLE_METRICS)
-            raise ValueError(f"unknown metric {self.metric!r} ({hint})")
+        _rankable(self.metric)
         return self
 
     @property
@@ -332,12 +337,9 @@ class TuneSection(_Section):
 
     @model_validator(mode="after")
     def _check(self):
-        from raysweep.metrics import METRIC_MODES, RANKABLE_METRICS
+        from raysweep.metrics import METRIC_MODES
 
-        if self.metric not in RANKABLE_METRICS:
-            close = difflib.get_close_matches(self.metric, RANKABLE_METRICS, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else "one of " + ", ".join(RANKABLE_METRICS)
-            raise ValueError(f"unknown metric {self.metric!r} ({hint})")
+        _rankable(self.metric)
         better = METRIC_MODES[self.metric]
         if self.mode != better:
             higher = "higher" if better == "max" else "lower"
