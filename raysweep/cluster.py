@@ -9,13 +9,11 @@ it waits forever (RAY_NOTES.md).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
 from dataclasses import dataclass
 
-from raysweep import storage
 from raysweep.config import SweepConfig, TrialConfig
 from raysweep.errors import UserError
 from raysweep.worker.compile_cache import cache_env
@@ -129,8 +127,11 @@ class Plan:
     message: str
 
 
-def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_samples: int) -> Plan:
-    """How many trials fit at once: each holds a trial_driver and its workers' CPUs (and GPUs)."""
+def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_samples: int,
+                     free: dict[str, float] | None = None) -> Plan:
+    """How many trials fit at once: each holds a trial_driver and its workers' CPUs (and GPUs). `resources`: the
+    cluster's total (a trial that could never fit is an error); `free`: what is free now (other sweeps' groups hold
+    the rest): the plan fits in it, and is 0 trials when not even one fits yet (`plan_when_free` waits)."""
     s = config.scaling
     cpus, gpus, drivers = resources.get("CPU", 0), resources.get("GPU", 0), resources.get(TRIAL_DRIVER, 0)
     need_cpu = s.num_workers * s.cpus_per_worker
@@ -151,15 +152,49 @@ def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_sampl
             f"scaling: a trial needs {need_cpu:g} CPUs ({s.num_workers} workers × {s.cpus_per_worker:g}) but the "
             f"cluster has {cpus:g}; lower scaling.num_workers or scaling.cpus_per_worker"
         )
+    held = ""
+    if free is not None:
+        total = f"{gpus:g} GPU" if s.use_gpu else f"{cpus:g} CPU"
+        cpus, gpus, drivers = free.get("CPU", 0), free.get("GPU", 0), free.get(TRIAL_DRIVER, 0)
+        if (gpus if s.use_gpu else cpus) < (resources.get("GPU", 0) if s.use_gpu else resources.get("CPU", 0)):
+            held = f" (free of {total}: other jobs hold the rest)"
     fit = int(cpus // need_cpu)
     if s.use_gpu:
         fit = min(fit, int(gpus // s.num_workers))
     n = min(fit, int(drivers), num_samples, config.tune.max_concurrent_trials or fit)
     unit = f"{gpus:g} GPU" if s.use_gpu else f"{cpus:g} CPU"
-    message = f"{unit}, {s.num_workers} workers/trial → {n} trial{'s' if n > 1 else ''} at a time"
+    if n < 1:
+        short = f"{s.num_workers} GPUs and {need_cpu:g} CPUs" if s.use_gpu else f"{need_cpu:g} CPUs"
+        return Plan(0, f"waiting for {short} free for one trial's workers: {unit} free{held}")
+    message = f"{unit}{held}, {s.num_workers} workers/trial → {n} trial{'s' if n > 1 else ''} at a time"
     if n == 1 and num_samples > 1:
         message += "; ASHA prunes sequentially"
     return Plan(n, message)
+
+
+PLAN_POLL_S = 2.0
+PLAN_SAY_EVERY_S = 60.0
+
+
+def plan_when_free(config: SweepConfig, num_samples: int, say) -> Plan:
+    """`plan_concurrency` on what the cluster has free now; while not even one trial fits, wait (`say(line)`:
+    once, then every PLAN_SAY_EVERY_S, what for). Ray's resources freed a moment ago (a sweep that just ended in
+    this process) may take a poll or two to show."""
+    import time
+
+    import ray
+
+    said = None
+    started = time.monotonic()
+    while True:
+        plan = plan_concurrency(ray.cluster_resources(), config, num_samples, ray.available_resources())
+        if plan.trials_at_once > 0:
+            return plan
+        now = time.monotonic()
+        if now - started > 2 * PLAN_POLL_S and (said is None or now - said >= PLAN_SAY_EVERY_S):
+            say(plan.message)
+            said = now
+        time.sleep(PLAN_POLL_S)
 
 
 def worker_env(compile_cache: str | None = None) -> dict[str, str]:
@@ -178,29 +213,6 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
     env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
     env.update(cache_env(compile_cache))
     return env
-
-
-# ---------------------------------------------------------------------------------------------
-# An agreed failure (OOM past the downshifts, divergence) travels from rank 0 to the trial function
-# as a small JSON file in the run's own directory: the worker group ends cleanly, so Train does not
-# retry it, and the trial function turns the file into the trial's error.
-
-
-def failure_path(storage_path: str, name: str) -> str:
-    """Where rank 0 leaves an agreed failure for the trial function (the run's own directory, on the
-    run's storage: a local folder, NFS or s3://, through the same pyarrow layer as Ray's checkpoints)."""
-    from raysweep.worker.entry import FAILURE_FILE
-
-    return storage.join(storage_path, name, FAILURE_FILE)
-
-
-def read_failure(location: str) -> tuple[str, str] | None:
-    """(kind, message) of an agreed failure, or None."""
-    text = storage.read_text(location)
-    if text is None:
-        return None
-    data = json.loads(text)
-    return data["kind"], data["message"]
 
 
 def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
@@ -223,8 +235,7 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
         resources["GPU"] = 1
     return _trainer_class()(
         worker_fn,
-        train_loop_config={"trial": trial.to_dict(), "data": data_ref, "failure_file": failure_path(storage_path, name),
-                           **extra_config},
+        train_loop_config={"trial": trial.to_dict(), "data": data_ref, **extra_config},
         scaling_config=ScalingConfig(
             num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
         ),

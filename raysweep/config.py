@@ -216,6 +216,10 @@ class ScalingConfig(_Section):
     worker_start_timeout_s: PosFloat = Field(
         60, description="a worker group not started by then fails its trial instead of waiting forever"
     )
+    max_setup_failures: PosInt = Field(
+        3, description="a warm group whose set-up (device, data, process group) fails this many times in a row ends "
+        "its slot; its trial fails (failure: infra), and while no group of the shape ever set up, so do the others"
+    )
 
 
 class TrainConfig(_Section):
@@ -243,6 +247,11 @@ class TrainConfig(_Section):
     grad_accum_steps: PosInt = Field(1, description="micro-batches per optimizer step")
     checkpoint_every: PosInt = Field(1, description="epochs between checkpoints (the last epoch always saves)")
     max_failures: NonNegInt = Field(1, description="worker-group restarts from the last checkpoint")
+    max_infra_retries: NonNegInt = Field(
+        3, description="times a trial is submitted again, to resume from its checkpoint on another group, after "
+        "a failure of the infrastructure (a slot host or controller lost, a group that could not start, the store "
+        "stalled past mlflow.retry_s); its own failures (oom, diverged, error) are never retried"
+    )
     max_downshifts: NonNegInt = Field(
         3, description="on OOM at start: halve the micro-batch, double accumulation, at most this often"
     )
@@ -318,7 +327,11 @@ class TuneSection(_Section):
     metric: str = Field("val_loss", description="metric ASHA ranks trials by")
     mode: Literal["min", "max"] = Field(
         None, description="min or max; left out (null) → the metric's own: losses min, accuracies max")
-    max_concurrent_trials: PosInt | None = Field(None, description="null → planned from the cluster")
+    max_concurrent_trials: PosInt | None = Field(None, description="null → planned from what the cluster has free")
+    keep_warm_s: PosFloat | None = Field(
+        30, description="seconds a warm worker group idle with no trial queued keeps its resources before it "
+        "leaves (another sweep on the cluster may need them); null → kept until the sweep ends"
+    )
     seed: Int = Field(0, description="search seed")
     asha: AshaConfig = AshaConfig()
     target: TargetConfig | None = Field(
@@ -350,6 +363,10 @@ class TuneSection(_Section):
 
 class MlflowSection(_Section):
     tracking_uri: str | None = Field(None, description="null → sqlite mlflow.db in the working directory")
+    retry_s: PosFloat = Field(
+        300, description="seconds a write to the store is retried (with backoff) and a slot waits for the store "
+        "before a checkpoint: a tracking server that restarts within it costs nothing; past it the sweep fails"
+    )
     experiment: str | None = Field(None, description="null → the spec's name")
 
 

@@ -163,6 +163,10 @@ def print_plan(plan) -> None:
     print(f"plan: {plan.message}", flush=True)
 
 
+def print_waiting(line: str) -> None:
+    print(f"plan: {line}", flush=True)
+
+
 def print_data(data, config: SweepConfig) -> None:
     d = config.data
     print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images {d.width}×{d.height}, "

@@ -19,7 +19,13 @@ The rules the broker keeps:
 - a worker that dies: Ray Train restarts the slot's group (FailureConfig), its new rank 0 asks again and gets the
   trial it was running, which resumes from its checkpoint; past `max_failures` restarts the trial fails with the
   workers' error (`group_error`, from a Ray Train callback in the slot's controller);
-- a slot whose group cannot start (or restart) ends; its trial fails with the cause;
+- a group whose set-up (everything before its rank 0's first ask) fails `scaling.max_setup_failures` times in a row
+  ends its slot (its host is killed, with the controller that would restart it forever); the trial waiting for it
+  fails (`infra`) with the workers' error, and while no slot of that shape has ever set up, every trial of the shape
+  fails the same way at once: the sweep ends instead of restarting groups forever;
+- a slot whose group cannot start (or restart), or whose host or controller is lost, ends; its trial fails as
+  `infra` (failures.py) and its relay submits it again (`train.max_infra_retries`): it resumes from its checkpoint
+  on another group;
 - a trial whose scaling differs from every idle slot's gets a group of its own (an idle slot of another shape
   is retired to make room);
 - the driver owns the broker and the broker owns the slots: a driver that dies takes them all with it, and
@@ -35,6 +41,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+from raysweep.failures import ERROR, INFRA, OOM
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +79,10 @@ class Assignment:
     timeline: dict = field(default_factory=dict)  # the start-up stamps of its first start (metrics.startup_phases)
     timeline_at: int = -1  # the report that came with them
     done: bool = False
-    failure: str | None = None  # set when the broker ended it (restarts spent, the slot's group lost)
+    failure: dict | None = None  # how it failed (failures.TrialFailure.as_dict): agreed by its ranks, or the broker's
     cancelled: bool = False  # the driver ended the trial (ASHA, an error): stop at the next epoch's end
     last_error: str | None = None  # the workers' error behind the last restart of its group
+    last_error_kind: str = ERROR  # its kind: oom where a rank ran out of memory, else error
 
 
 @dataclass
@@ -81,9 +90,16 @@ class Slot:
     slot_id: int
     key: str
     opened_at: float  # wall clock: when the broker asked Ray Train for its group
+    max_setup_failures: int = 3  # set-ups that may fail in a row before the slot ends (scaling.max_setup_failures)
     current: Assignment | None = None
     retiring: bool = False  # its workers leave at their next ask
     trials_taken: int = 0
+    set_up: bool = False  # its group (as last started) has asked for work: set-up done
+    ever_set_up: bool = False
+    setup_failures: int = 0  # set-ups failed in a row
+    ended: str | None = None  # why the broker ended it (its fit() is cancelled: the host and controller killed)
+    fit: asyncio.Future | None = None  # the launch (its fit()), cancelled to end the slot
+    idle_since: float = field(default_factory=time.monotonic)  # when it last finished a trial (tune.keep_warm_s)
 
 
 class Broker:
@@ -91,8 +107,9 @@ class Broker:
     time on its event loop. `launch(slot_id, trial)` builds and fits the slot's long-lived trainer and returns
     when its fit() ends (raising what fit() raised)."""
 
-    def __init__(self, capacity: int, launch: Callable[[int, dict], Awaitable[None]]):
-        self.capacity, self.launch = capacity, launch
+    def __init__(self, capacity: int, launch: Callable[[int, dict], Awaitable[None]], keep_warm_s: float | None = None):
+        self.capacity, self.launch, self.keep_warm_s = capacity, launch, keep_warm_s
+        self.broken: dict[str, str] = {}  # scaling key → why no group of that shape could be set up (its slot ended)
         self.queue: list[Assignment] = []  # submitted, not yet on a slot
         self.slots: dict[int, Slot] = {}
         self.trials: dict[str, Assignment] = {}  # trial id → its latest assignment
@@ -129,7 +146,8 @@ class Broker:
         await self._wait(ready, wait_s)
         a = self.trials.get(trial_id)
         if a is None or a.seq != seq:
-            return {"reports": [], "done": True, "failure": "superseded by a newer run of the same trial"}
+            return {"reports": [], "done": True,
+                    "failure": {"kind": INFRA, "message": "superseded by a newer run of the same trial"}}
         return {"reports": a.reports[since:], "done": a.done, "failure": a.failure, "timeline": a.timeline,
                 "timeline_at": a.timeline_at, "restarts": a.restarts}
 
@@ -155,6 +173,10 @@ class Broker:
         (nothing yet: ask again). `after`: the last assignment this group took; None from a group that just
         started, which resumes the trial its slot was running when a worker died."""
         deadline = time.monotonic() + ASK_WAIT_S
+        slot = self.slots.get(slot_id)
+        if slot is not None and after is None:  # its group (as last started) got through its set-up
+            slot.set_up = slot.ever_set_up = True
+            slot.setup_failures = 0
         while True:
             slot = self.slots.get(slot_id)
             if slot is None or slot.retiring:
@@ -168,8 +190,9 @@ class Broker:
                 if a.started and after is None:  # a restarted group: the trial resumes, if it may
                     a.restarts += 1
                     if a.restarts > a.max_failures:
-                        self._finish(a, failure=f"worker group restarted {a.restarts - 1} times (train.max_failures "
-                                                f"{a.max_failures}); last error: {a.last_error or 'unknown'}")
+                        self._finish(a, failure={"kind": a.last_error_kind, "message": (
+                            f"worker group restarted {a.restarts - 1} times (train.max_failures {a.max_failures}); "
+                            f"last error: {a.last_error or 'unknown'}")})
                         await self._changed()
                         continue
                 if after is None or a.seq > after:
@@ -181,6 +204,10 @@ class Broker:
                             "slot_opened_at": slot.opened_at if first_on_slot else None}
             left = deadline - time.monotonic()
             if left <= 0:
+                if self._idle_too_long(slot):  # tune.keep_warm_s: its resources go back to the cluster
+                    slot.retiring = True
+                    log.info("slot %d idle %.0f s with nothing queued: its group leaves", slot_id, self.keep_warm_s)
+                    return {"retire": True}
                 return None
             await self._wait_changed(left)
 
@@ -220,9 +247,9 @@ class Broker:
             return self.stored.get(a.trial_id, 0) >= epoch
 
         await self._wait(lambda: held() or a.cancelled or a.done, wait_s)
-        if not held() and not a.cancelled and not a.done:  # a driver that no longer records
-            self._finish(a, failure=f"MLflow recorded none of the trial's epochs after "
-                                    f"{self.stored.get(a.trial_id, 0)} in {wait_s:.0f} s")
+        if not held() and not a.cancelled and not a.done:  # a driver that no longer records, a store that stalled
+            self._finish(a, failure={"kind": INFRA, "message": f"MLflow recorded none of the trial's epochs after "
+                                     f"{self.stored.get(a.trial_id, 0)} in {wait_s:.0f} s (mlflow.retry_s)"})
             await self._changed()
         return held() and not a.cancelled and not a.done
 
@@ -239,18 +266,32 @@ class Broker:
             a.acked = count
             await self._changed()
 
-    async def finish(self, seq: int) -> None:
-        """The slot's group is done with an assignment (it ran out of epochs, failed as agreed, or was ended)."""
+    async def finish(self, seq: int, failure: dict | None = None) -> None:
+        """The slot's group is done with an assignment: it ran out of epochs, was ended, or failed as its ranks
+        agreed (`failure`: failures.TrialFailure.as_dict, an OOM past the downshifts, divergence)."""
         a = self._assignment(seq)
         if a is not None and not a.done:
-            self._finish(a)
+            self._finish(a, failure)
             await self._changed()
 
-    async def group_error(self, slot_id: int, text: str) -> None:
-        """What the slot's workers raised (Ray Train's controller saw it; it restarts the group next)."""
+    async def group_error(self, slot_id: int, text: str, kind: str = ERROR) -> None:
+        """What the slot's workers raised (Ray Train's controller saw it; it restarts the group next). `kind`: oom
+        where a rank ran out of memory. Before the group's rank 0 asked for work it is a set-up failure: past
+        the slot's `max_setup_failures` in a row, the slot ends."""
         slot = self.slots.get(slot_id)
-        if slot is not None and slot.current is not None:
-            slot.current.last_error = text
+        if slot is None or slot.ended:
+            return
+        if not slot.set_up:
+            slot.setup_failures += 1
+            if slot.setup_failures >= slot.max_setup_failures:
+                first = text.strip().splitlines()[0] if text.strip() else "unknown error"  # the lowest rank's
+                self._end_slot(slot, f"its worker group's set-up failed {slot.setup_failures} times in a row "
+                                     f"(scaling.max_setup_failures {slot.max_setup_failures}): {first[:500]}")
+                await self._changed()
+            return
+        slot.set_up = False  # the group restarts: its set-up begins again
+        if slot.current is not None:
+            slot.current.last_error, slot.current.last_error_kind = text, kind
 
     # -- the driver
 
@@ -265,6 +306,12 @@ class Broker:
         await self._changed()
         await self._wait(lambda: not self.slots, wait_s)
         return len(self.slots)
+
+    async def watch(self) -> None:
+        """Returns when the broker closes: the driver holds this call's result, which fails at once if the broker
+        dies (broker_lost)."""
+        while not self.closing:
+            await self._wait_changed(60.0)
 
     async def state(self) -> dict:
         """For tests and the console: slots and their keys, trials and where they are."""
@@ -284,11 +331,31 @@ class Broker:
                 self.queue.remove(a)
             self._finish(a)
 
-    def _finish(self, a: Assignment, failure: str | None = None) -> None:
+    def _finish(self, a: Assignment, failure: dict | None = None) -> None:
         a.done, a.failure = True, failure
         slot = self.slots.get(a.slot) if a.slot is not None else None
         if slot is not None and slot.current is a:
             slot.current = None
+            slot.idle_since = time.monotonic()
+
+    def _idle_too_long(self, slot: Slot) -> bool:
+        return (self.keep_warm_s is not None and slot.current is None and not self.queue and not self.closing
+                and time.monotonic() - slot.idle_since >= self.keep_warm_s)
+
+    def _end_slot(self, slot: Slot, reason: str) -> None:
+        """End a slot now: its fit() is cancelled (the host and the controller that would restart it are killed)."""
+        slot.ended, slot.retiring = reason, True
+        if not slot.ever_set_up:
+            self.broken[slot.key] = f"no worker group of this shape could be set up: {reason}"
+        if slot.fit is not None:
+            slot.fit.cancel()
+
+    def _unplaceable(self, a: Assignment) -> str | None:
+        """Why `a` can never run: its shape's set-up failed past the limit, and no slot of it ever set up."""
+        if a.key in self.broken and not any(s.key == a.key and s.ever_set_up and not s.retiring
+                                            for s in self.slots.values()):
+            return self.broken[a.key]
+        return None
 
     def _place(self) -> None:
         """Put queued trials on slots: an idle one of their shape, else a new one while there is room, else (at
@@ -296,6 +363,11 @@ class Broker:
         for a in list(self.queue):
             if self.closing:
                 return
+            reason = self._unplaceable(a)
+            if reason is not None:
+                self.queue.remove(a)
+                self._finish(a, failure={"kind": INFRA, "message": reason})
+                continue
             idle = [s for s in self.slots.values() if s.current is None and not s.retiring]
             live = [s for s in self.slots.values() if not s.retiring]
             slot = next((s for s in idle if s.key == a.key), None)
@@ -311,7 +383,7 @@ class Broker:
 
     def _open(self, a: Assignment) -> Slot:
         """A new slot for trials shaped like `a` (its group is built from a's trial dict)."""
-        slot = Slot(self.next_slot, a.key, time.time())
+        slot = Slot(self.next_slot, a.key, time.time(), int(a.trial["scaling"].get("max_setup_failures", 3)))
         self.next_slot += 1
         self.slots[slot.slot_id] = slot
         task = asyncio.get_running_loop().create_task(self._run_slot(slot, a.trial))
@@ -321,18 +393,27 @@ class Broker:
 
     async def _run_slot(self, slot: Slot, trial: dict) -> None:
         error = None
+        slot.fit = asyncio.ensure_future(self.launch(slot.slot_id, trial))
         try:
-            await self.launch(slot.slot_id, trial)
-        except Exception as e:  # its group could not start, or restart
+            await slot.fit
+        except asyncio.CancelledError:
+            if slot.ended is None:  # not this broker's doing: the broker itself is going
+                raise
+        except Exception as e:  # its group could not start (or restart), its host or controller was lost
             error = f"{type(e).__name__}: {e}"
-        if error and not slot.retiring:
+        if slot.ended is not None:
+            error = slot.ended
+        if error and (slot.ended or not slot.retiring):
             log.warning("slot %d ended: %s", slot.slot_id, error.splitlines()[0])
         del self.slots[slot.slot_id]
         if slot.current is not None and not slot.current.done:
-            failure = error or "its worker group ended"
-            if slot.current.last_error:
-                failure += f"; the workers' last error: {slot.current.last_error}"
-            self._finish(slot.current, failure=f"worker group lost: {failure}")
+            if slot.ended is not None:
+                failure = slot.ended
+            else:
+                failure = f"worker group lost: {error or 'its worker group ended'}"
+                if slot.current.last_error:
+                    failure += f"; the workers' last error: {slot.current.last_error}"
+            self._finish(slot.current, failure={"kind": INFRA, "message": failure})
         await self._changed()
 
     async def _changed(self) -> None:
@@ -369,10 +450,14 @@ class SlotPlan:
     env: dict  # worker environment (cluster.worker_env)
     compile_cache: str | None
     node_id: str  # the trial drivers' node (cluster.trial_driver_node): the broker, slot hosts and their controllers
+    store_wait_s: float = 300.0  # mlflow.retry_s: how long a slot waits for the store before a checkpoint
+    keep_warm_s: float | None = None  # tune.keep_warm_s: an idle slot with nothing queued leaves after this long
 
 
 _BEFORE: dict[str, set[str] | None] = {}  # the slot actors alive when each sweep opened (close_broker)
 _ACTIVE: dict[str, object] = {}  # this driver's brokers, by the sweep's folder (a driver runs one sweep at a time)
+_WATCH: dict[str, list] = {}  # each broker's `watch` call [ref, last checked], by the sweep's folder
+WATCH_EVERY_S = 1.0
 
 
 def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
@@ -385,8 +470,29 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
     broker = broker_class.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False)).remote(capacity, plan)
     _ACTIVE[experiment_path] = broker
+    _WATCH[experiment_path] = [broker.watch.remote(), 0.0]
     return broker
 
+
+def broker_lost(experiment_path: str) -> str | None:
+    """Why the sweep's broker is gone (its actor died: the OOM killer, its node), else None. Checked at most every
+    WATCH_EVERY_S, without waiting: the broker's `watch` call fails as soon as the actor dies."""
+    import ray
+
+    watch = _WATCH.get(experiment_path)
+    if watch is None or time.monotonic() - watch[1] < WATCH_EVERY_S:
+        return None
+    watch[1] = time.monotonic()
+    ready, _ = ray.wait([watch[0]], timeout=0)
+    if not ready:
+        return None
+    try:
+        ray.get(ready[0])
+    except Exception as e:
+        from raysweep.metrics import error_line
+
+        return f"{type(e).__name__}: {error_line(str(e))}"
+    return None  # it closed
 
 def active(experiment_path: str):
     """The broker of the sweep this driver runs at `experiment_path` (None: none, or it closed)."""
@@ -406,6 +512,7 @@ def close_broker(experiment_path: str) -> None:
     import ray
 
     broker = _ACTIVE.pop(experiment_path, None)
+    _WATCH.pop(experiment_path, None)
     if broker is None:
         return
     try:
@@ -427,7 +534,7 @@ def _slot_actor_ids() -> set[str] | None:
     try:
         return {a.actor_id for a in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
                                                 limit=10_000, raise_on_missing_output=False)
-                if a.class_name in SLOT_ACTORS}
+                if a.class_name.rsplit(".", 1)[-1] in SLOT_ACTORS}  # "_actor_classes.<locals>.SlotHost"
     except Exception as e:  # no dashboard: nothing to wait on
         log.debug("listing actors: %s", e)
         return None
@@ -467,17 +574,21 @@ def _actor_classes():
 
             make_trainer(TrialConfig.from_dict(trial), plan.data_ref, plan.storage_path, f"slot-{slot_id}",
                          [_error_forwarder(broker, slot_id)], env=plan.env, worker_fn=slot_worker,
-                         extra_config={"broker": broker, "slot": slot_id}, compile_cache=plan.compile_cache,
-                         max_failures=-1).fit()  # restarts are counted per trial, by the broker
+                         extra_config={"broker": broker, "slot": slot_id, "decision_wait_s": DECISION_WAIT_S,
+                                       "store_wait_s": plan.store_wait_s},
+                         compile_cache=plan.compile_cache,
+                         # restarts are counted by the broker: per trial, and set-ups that fail in a row per slot
+                         max_failures=-1).fit()
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class BrokerActor(Broker):
         def __init__(self, capacity: int, plan: SlotPlan):
-            super().__init__(capacity, self._launch)
+            super().__init__(capacity, self._launch, plan.keep_warm_s)
             self.plan = plan
 
         async def _launch(self, slot_id: int, trial: dict) -> None:
             me = ray.get_runtime_context().current_actor
+            await wait_for_resources(group_resources(trial["scaling"]), f"slot {slot_id}")
             host = SlotHost.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False)).remote()
             try:
@@ -492,10 +603,56 @@ def _error_forwarder(broker, slot_id: int):
     """A Ray Train callback (it runs in the slot's controller) that hands the broker what the workers raised
     before the group restarts: the trial that uses up its restarts fails with it."""
     import ray.train
+    import torch
 
     class ErrorForwarder(ray.train.UserCallback):
         def after_exception(self, run_context, worker_exceptions):
             text = "\n".join(f"rank {rank}: {e}" for rank, e in sorted(worker_exceptions.items()))
-            broker.group_error.remote(slot_id, text)
+            oom = any(_caused_by(e, torch.OutOfMemoryError) for e in worker_exceptions.values())
+            broker.group_error.remote(slot_id, text, OOM if oom else ERROR)
 
     return ErrorForwarder()
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+    """Whether `error` or what it wraps (Ray's RayTaskError keeps the worker's exception as `cause`) is a `kind`."""
+    for _ in range(10):
+        if error is None:
+            return False
+        if isinstance(error, kind):
+            return True
+        error = getattr(error, "cause", None) or error.__cause__
+    return False
+
+
+def group_resources(scaling: dict) -> dict[str, float]:
+    """What a worker group of this shape (a TrialConfig dict's scaling) holds in its placement group."""
+    need = {"CPU": scaling["num_workers"] * scaling["cpus_per_worker"]}
+    if scaling["use_gpu"]:
+        need["GPU"] = float(scaling["num_workers"])
+    return need
+
+
+RESOURCE_POLL_S = 1.0
+RESOURCE_SAY_EVERY_S = 30.0
+
+
+async def wait_for_resources(need: dict[str, float], who: str) -> None:
+    """Wait until the cluster has `need` free before asking Ray Train for a group: another sweep (or job) may hold
+    them, and a worker group that waits for resources past RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S fails as if it
+    could not start. Says once every RESOURCE_SAY_EVERY_S what it waits for. Unbounded by design: what frees them
+    is the other job, and the plan (cluster.plan_concurrency) checked that the cluster can hold the group at all."""
+    import ray
+
+    said = None
+    while True:
+        free = ray.available_resources()
+        short = {k: v for k, v in need.items() if free.get(k, 0.0) < v}
+        if not short:
+            return
+        now = time.monotonic()
+        if said is None or now - said >= RESOURCE_SAY_EVERY_S:
+            log.warning("%s waits for %s free on the cluster (other jobs hold them)", who,
+                        ", ".join(f"{v:g} {k}" for k, v in short.items()))
+            said = now
+        await asyncio.sleep(RESOURCE_POLL_S)

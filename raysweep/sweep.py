@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -55,45 +55,80 @@ class SweepContext:
     batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
     decision_points: tuple[float, ...] = ()  # where the scheduler may stop a trial, in time_attr (decision_points())
     time_attr: str = "epoch"  # what ASHA counts: epoch or train_seconds
+    settled: dict = field(default_factory=dict)  # --resume: trial id → how the store says it ended (resume.py)
+
+
+POLL_ANSWER_S = 30.0  # a poll of the broker waits at most this long beyond its own long poll (slots.ASK_WAIT_S)
 
 
 def run_trial(knobs: dict, context: SweepContext) -> None:
     """Tune function trainable: hands the trial to a warm worker group (slots.py) and relays each epoch's report to
-    Tune, where ASHA judges it; ends as the trial ended (an agreed failure, restarts spent: TrialFailed)."""
-    import ray
+    Tune, where ASHA judges it; ends as the trial ended (failures.TrialFailure, typed: its own failures are final;
+    an infrastructure failure is submitted again, to resume from its checkpoint on another group, at most
+    train.max_infra_retries times). A trial the store already settled (--resume: pruned, finished, or failed on
+    its own) ends at once, as it ended: it never trains again."""
     from ray import tune
+    from ray.exceptions import GetTimeoutError, RayActorError
 
-    from raysweep.cluster import failure_path, read_failure
+    from raysweep.failures import INFRA, TrialFailure
 
     relay_started = time.time()
     trial_id = tune.get_context().get_trial_id()
+    if trial_id in context.settled:
+        failure = context.settled[trial_id]
+        if failure is not None:
+            raise TrialFailure.from_dict(failure)
+        return
     trial = context.config.trial(knobs, context.train_size, context.batch_cap)
     # the folder comes from the trial id: a trial run again (restart, --resume) continues from its checkpoint there
-    name = f"trial-{trial_id}"
-    marker = failure_path(context.train_storage, name)
-    storage.delete(marker)  # a restored trial tries again
+    run_dir = storage.join(context.train_storage, f"trial-{trial_id}")
+    retries = 0
+    while True:
+        try:
+            failure = _relay(context, trial_id, trial, run_dir, relay_started, retries)
+        except (RayActorError, GetTimeoutError) as e:  # the broker is gone (or hung): no group can run the trial
+            raise TrialFailure(INFRA, f"the sweep's broker was lost ({type(e).__name__})") from None
+        if failure is None:
+            return
+        if failure.final or retries >= trial.train.max_infra_retries:
+            if not failure.final:
+                failure = TrialFailure(INFRA, f"{failure.message} (train.max_infra_retries {retries} spent)")
+            raise failure
+        retries += 1
+        log.warning("trial %s: %s; submitted again (%d of train.max_infra_retries %d)", trial_id, failure.message,
+                    retries, trial.train.max_infra_retries)
+
+
+def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_started: float, retries: int):
+    """One attempt: submit the trial to the broker, relay its reports to Tune until it is done; returns how it
+    failed (failures.TrialFailure) or None."""
+    import ray
+    from ray import tune
+
+    from raysweep.failures import TrialFailure
+    from raysweep.slots import ASK_WAIT_S
+
     broker = context.broker
-    seq = ray.get(broker.submit.remote(trial_id, trial.to_dict(), storage.join(context.train_storage, name),
-                                       trial.train.max_failures, context.decision_points, context.time_attr))
+    seq = ray.get(broker.submit.remote(trial_id, trial.to_dict(), run_dir, trial.train.max_failures,
+                                       context.decision_points, context.time_attr), timeout=POLL_ANSWER_S)
     since = 0
     while True:
-        out = ray.get(broker.poll.remote(trial_id, seq, since))
+        out = ray.get(broker.poll.remote(trial_id, seq, since), timeout=ASK_WAIT_S + POLL_ANSWER_S)
         for i, metrics in enumerate(out["reports"], start=since):
-            if i == out["timeline_at"]:  # the first epoch: how long the trial took to start (SweepClock)
+            if i == out["timeline_at"] and not retries:  # the first epoch: how long the trial took to start
                 metrics = {**metrics, STARTUP_STAMPS: json.dumps({**out["timeline"], "relay_started": relay_started})}
+            if retries:
+                metrics = {**metrics, INFRA_RETRIES: retries}
             tune.report(metrics)  # returns once Tune has let the trial go on (a stop ends this process's trial here)
             broker.ack.remote(trial_id, seq, i + 1)
         since += len(out["reports"])
         if out["done"]:
-            break
-    failure = read_failure(marker)
-    if failure is not None:  # agreed by every rank (OOM past the downshifts, divergence)
-        raise TrialFailed(failure[1])
-    if out["failure"]:
-        if "OutOfMemoryError" in out["failure"]:  # an OOM after the start-up probe: the same ending, retries spent
-            raise TrialFailed(f"OOM at per-GPU batch {trial.knobs.per_gpu_batch_size} during training "
-                              f"({out['failure']})")
-        raise TrialFailed(out["failure"])
+            return TrialFailure.from_dict(out["failure"]) if out["failure"] else None
+
+
+INFRA_RETRIES = "infra_retries"  # reported by a trial submitted again after an infrastructure failure (MLflow tag)
+class BrokerLost(RuntimeError):
+    """The sweep's broker actor died (its node, the OOM killer): the sweep ends with the cause."""
 
 
 STARTUP_STAMPS = "startup_stamps"  # the first report's start-up stamps (JSON), turned into metrics by SweepClock
@@ -116,6 +151,14 @@ def make_sweep_clock(experiment_path: str):
         def __init__(self):
             self.experiment_path = experiment_path
             self.started: dict[str, float] = {}
+
+        def on_step_begin(self, iteration, trials, **info):
+            from raysweep import slots
+
+            lost = slots.broker_lost(self.experiment_path)
+            if lost:  # every trial's relay fails with it too (failure: infra): --resume continues them
+                raise BrokerLost(f"the sweep's broker was lost ({lost}); the trials' checkpoints are kept: "
+                                 f"`tune --resume` continues them")
 
         def on_trial_start(self, iteration, trials, trial, **info):
             self.started[trial.trial_id] = time.time()
@@ -143,10 +186,6 @@ def make_sweep_clock(experiment_path: str):
     return SweepClock()
 
 
-class TrialFailed(RuntimeError):
-    """Ends a trial as errored in Tune with a one-line reason (MLflow tags it failure=oom/diverged)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # The sweep
 
@@ -160,7 +199,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
     on the store (tracking.reconcile_orphans).
     """
     from raysweep import console, slots, tracking
-    from raysweep.cluster import connect, plan_concurrency, trial_driver_node, worker_env
+    from raysweep.cluster import connect, plan_when_free, trial_driver_node, worker_env
     from raysweep.data import load_data
 
     t_start = time.monotonic()
@@ -177,7 +216,8 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         import ray
 
         num_samples = 1 if single else config.tune.num_samples
-        plan = plan_concurrency(ray.cluster_resources(), config, num_samples)  # before any work: fail fast
+        # before any work: a trial that could never fit fails fast; one that does not fit yet waits, saying for what
+        plan = plan_when_free(config, num_samples, console.print_waiting)
         console.print_plan(plan)
         batch_cap = resolve_batch_cap(config, cap_batch)
         data = load_data(config.data, console.progress_printer())  # decoded once per sweep; trials get an object ref
@@ -186,13 +226,15 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
         compile_cache = storage.join(experiment_path, "compile_cache")
         broker = slots.open_broker(experiment_path, plan.trials_at_once, slots.SlotPlan(
             ray.put(data), storage.join(experiment_path, "slots"), worker_env(compile_cache), compile_cache,
-            trial_driver_node()))
+            trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
         # the groups start building now, while MLflow opens and Tune starts (every trial of a spec has its scaling)
         broker.prewarm.remote(config.trial(config.default_knobs(), len(data.train), batch_cap).to_dict(),
                               min(plan.trials_at_once, num_samples))
         scheduler = None if single else asha(config)
+        # --resume: trials the store says ended for good (pruned, finished, failed on their own) stay as they ended
+        settled = tracking.settled_trials(tracking_uri, resumed) if resumed else {}
         context = SweepContext(config, len(data.train), storage.join(experiment_path, "train"), broker, batch_cap,
-                               decision_points(scheduler, config), config.time_attr)
+                               decision_points(scheduler, config), config.time_attr, settled)
         del data
         if resumed:
             console.print_resumed(resume_summary(experiment_path, num_samples))
@@ -288,7 +330,8 @@ def _cause(e: BaseException) -> str:
 
 
 # keys a resumed sweep may change: how long to wait and how often to retry, nothing a trial computes
-RESUME_MAY_CHANGE = ("scaling.worker_start_timeout_s", "train.max_failures")
+RESUME_MAY_CHANGE = ("scaling.worker_start_timeout_s", "scaling.max_setup_failures", "train.max_failures",
+                     "train.max_infra_retries", "tune.keep_warm_s")
 # the keys that found the sweep (its storage and store): compared by where they lead, not by their text
 RESUME_IDENTITY = ("name", "storage_path", "mlflow.")
 
@@ -505,9 +548,10 @@ def _tuner(config, context, plan, single, resume, experiment_path, storage_root,
     if resume:
         if not tune.Tuner.can_restore(experiment_path):
             raise UserError(f"--resume: {experiment_path} holds no restorable Tune experiment")
-        # callbacks (MLflow run ids, ASHA's rungs) come back from the experiment's own state. Errored trials
-        # (OOM past the downshifts, divergence, restarts spent) ended with a verdict: they are not rerun.
-        return tune.Tuner.restore(experiment_path, trainable=trainable, resume_unfinished=True, resume_errored=False)
+        # callbacks (MLflow run ids, ASHA's rungs) come back from the experiment's own state.
+        # Errored trials come back too: the relay ends the ones the store says failed on their own as they ended
+        # (SweepContext.settled), and the ones that failed for the infrastructure continue from their checkpoints
+        return tune.Tuner.restore(experiment_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     t = config.tune
     if single:
         param_space, search_alg = config.default_knobs(), None

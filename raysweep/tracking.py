@@ -15,6 +15,7 @@ from pathlib import Path
 
 from raysweep import drivers
 from raysweep.errors import UserError
+from raysweep.failures import INFRA
 from raysweep.metrics import METRIC_NAMES, STARTUP_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,8 @@ def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | N
     for run_id, ends in [(c.info.run_id, child_status) for c in children] + [(parent_run_id, status)]:
         if ends == "KILLED":  # interrupted: `tune --resume` sets them RUNNING again
             client.set_tag(run_id, "interrupted", "true")
+        elif run_id != parent_run_id:  # not its own failure but the sweep's: `tune --resume` continues it
+            client.set_tag(run_id, "failure", INFRA)
         if error:
             client.set_tag(run_id, "error", error[:5000])
         client.set_terminated(run_id, status=ends)
@@ -194,15 +197,17 @@ class Writer:
     the next trial's start, every slot waiting at a rung) never waits on the store, which is tens of ms a write on
     SQLite and more on a remote server, for every trial's every epoch.
 
-    `flush` waits for everything put so far. The first write that fails stops the writer: the ones after it are
-    dropped (they would land out of order) and the error is raised by the next `put` or `flush`, so a store that
-    fails ends the sweep as it did when the callback wrote inline."""
+    A write that fails is tried again, with backoff, for up to `retry_s` (mlflow.retry_s): a tracking server that
+    restarts, a busy database. Writes must be safe to repeat (the callback's are: a run is looked up before it is
+    created, an epoch's metrics are checked against the store after a failed attempt). Past `retry_s` the writer
+    stops: the writes after it are dropped (they would land out of order) and the error is raised by the next `put`
+    or `flush`, so a store that stays down ends the sweep with its cause. `flush` waits for everything put so far."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, retry_s: float = 300.0):
         import queue
         import threading
 
-        self.name, self.error = name, None
+        self.name, self.error, self.retry_s = name, None, retry_s
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"mlflow-writer {name}", daemon=True)
         self.thread.start()
@@ -224,21 +229,40 @@ class Writer:
             write = self.queue.get()
             try:
                 if self.error is None:
-                    write()
+                    self._write(write)
             except BaseException as e:  # kept for the caller: this thread has no one to raise to
-                log.error("MLflow write for %s failed: %s: %s", self.name, type(e).__name__, e)
+                log.error("MLflow write for %s failed for %.0f s (mlflow.retry_s): %s: %s", self.name, self.retry_s,
+                          type(e).__name__, e)
                 self.error = e
             finally:
                 self.queue.task_done()
 
+    def _write(self, write) -> None:
+        deadline, delay = time.monotonic() + self.retry_s, RETRY_FIRST_S
+        while True:
+            try:
+                write()
+                return
+            except Exception as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if delay == RETRY_FIRST_S:
+                    log.warning("MLflow store not answering (%s: %s); writes of %s retried for up to %.0f s",
+                                type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", self.name, left)
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, RETRY_MAX_S)
+
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 15.0  # a failed write's first wait, and the longest between two attempts
 
 _WRITERS: dict[str, Writer] = {}  # this driver's writers, by parent run (the callback Tune restores finds its own)
 
 
-def writer(parent_run_id: str) -> Writer:
+def writer(parent_run_id: str, retry_s: float = 300.0) -> Writer:
     """The sweep's MLflow writer (one per parent run in this process), started on first use."""
     if parent_run_id not in _WRITERS:
-        _WRITERS[parent_run_id] = Writer(parent_run_id)
+        _WRITERS[parent_run_id] = Writer(parent_run_id, retry_s)
     return _WRITERS[parent_run_id]
 
 
@@ -268,6 +292,8 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
     """
     import threading
 
+    from mlflow.entities import RunTag
+    from mlflow.exceptions import MlflowException
     from ray.tune import Callback
 
     class MLflowSweepCallback(Callback):
@@ -276,6 +302,8 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             self.config, self.train_size, self.on_recorded = config, train_size, on_recorded
             self.runs: dict[str, str] = {}  # trial id → MLflow run id
             self.logged: dict[str, int] = {}  # trial id → last epoch logged
+            self.unsure: set[str] = set()  # trials whose last metrics write failed: it may have landed (re-read)
+            self.settled: set[str] = set()  # trials whose run ended for good before a --resume: never written again
             self._client = None
             self._lock = threading.Lock()  # runs and logged: written on the writer's thread, read by get_state
 
@@ -293,10 +321,10 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
         def __setstate__(self, state):
             self.__dict__.update(state)
             self._lock = threading.Lock()
-            self.__dict__.setdefault("on_recorded", None)  # a sweep pickled before the writer
+            self.unsure, self.settled = set(), set()
 
         def _put(self, write) -> None:
-            writer(self.parent_run_id).put(write)
+            writer(self.parent_run_id, self.config.mlflow.retry_s).put(write)
 
         def get_state(self) -> dict:
             with self._lock:
@@ -354,32 +382,53 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             trial_id, knobs = trial.trial_id, dict(trial.config)
 
             def write():
+                from raysweep.failures import settled
+
                 run_id = self._run_for(trial_id, knobs)
-                if self.client.get_run(run_id).info.status != "RUNNING":  # resumed: interrupted runs were KILLED
+                run = self.client.get_run(run_id)
+                if run.info.status == "RUNNING":
+                    return
+                if settled(run.info.status, run.data.tags) is not False:  # its relay ends it as it ended (--resume)
+                    self.settled.add(trial_id)
+                else:  # resumed: interrupted (KILLED) or failed for the infrastructure
                     reopen(self.client, run_id)
+                    if "failure" in run.data.tags:
+                        self.client.delete_tag(run_id, "failure")
 
             self._put(write)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             trial_id, knobs = trial.trial_id, dict(trial.config)
             step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
+            retries = int(result.get("infra_retries", 0))
             values = {k: float(result[k]) for k in (*METRIC_NAMES, *STARTUP_NAMES) if result.get(k) is not None}
             worker_params = {k: str(result[k]) for k in WORKER_PARAMS if k in result}
 
             def write():
                 from mlflow.entities import Metric, Param
 
+                if trial_id in self.settled:
+                    return
                 run_id = self._run_for(trial_id, knobs)
+                if trial_id in self.unsure:  # a failed attempt may have landed: the store says what it holds
+                    self._read_logged(trial_id, run_id)
+                    self.unsure.discard(trial_id)
                 last = self.logged.get(trial_id, 0)
                 if step > last:  # else reported again after a restart: MLflow already holds this epoch
                     metrics = [Metric(k, v, now, step) for k, v in values.items()]
                     params = [Param(k, v) for k, v in worker_params.items()] if last == 0 else []  # known after the probe
+                    self.unsure.add(trial_id)
                     try:
                         self.client.log_batch(run_id, metrics=metrics, params=params)
-                    except Exception:  # a param logged before with another value (a restart on other nodes)
+                    except MlflowException as e:  # a param logged before with another value (a restart elsewhere)
+                        if e.error_code != "INVALID_PARAMETER_VALUE":
+                            raise
                         self.client.log_batch(run_id, metrics=metrics)
+                    self.unsure.discard(trial_id)
                     with self._lock:
                         self.logged[trial_id] = step
+                    if retries:
+                        self.client.set_tag(run_id, "raysweep.infra_retries", str(retries))
                 if self.on_recorded is not None:
                     self.on_recorded(trial_id, self.logged.get(trial_id, 0))
 
@@ -390,6 +439,8 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             view = TrialView.of_trial(trial, self.config.horizon, ended="complete")
 
             def write():
+                if trial_id in self.settled:
+                    return
                 run_id = self._run_for(trial_id, knobs)
                 if view.status == "finished":
                     self.client.set_terminated(run_id, status="FINISHED")
@@ -401,15 +452,17 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             self._put(write)
 
         def on_trial_error(self, iteration, trials, trial, **info):
+            from raysweep.failures import kind_of
+
             trial_id, knobs = trial.trial_id, dict(trial.config)
             line = TrialView.of_trial(trial, self.config.horizon, ended="error").error
+            kind = kind_of(_pickled_error(trial))  # typed, as the relay raised it (failures.TrialFailure)
 
             def write():
+                if trial_id in self.settled:
+                    return
                 run_id = self._run_for(trial_id, knobs)
-                self.client.set_tag(run_id, "error", line[:5000])
-                kind = failure_kind(line)
-                if kind:
-                    self.client.set_tag(run_id, "failure", kind)
+                self.client.log_batch(run_id, tags=[RunTag("error", line[:5000]), RunTag("failure", kind)])
                 self.client.set_terminated(run_id, status="FAILED")
 
             self._put(write)
@@ -417,13 +470,18 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
     return MLflowSweepCallback()
 
 
-def failure_kind(error_line: str) -> str | None:
-    """MLflow's `failure` tag: oom or diverged, from the trial's error."""
-    if "OOM at per-GPU batch" in error_line or "OutOfMemoryError" in error_line:
-        return "oom"
-    if "diverged" in error_line:
-        return "diverged"
-    return None
+def _pickled_error(trial) -> BaseException | None:
+    """The exception Tune kept for an errored trial (a RayTaskError around what the trial function raised)."""
+    import cloudpickle
+
+    try:
+        local = trial.pickled_error_file  # written by Trial.handle_error before Tune calls on_trial_error
+        if local and Path(local).is_file():
+            return cloudpickle.loads(Path(local).read_bytes())
+        return trial.get_pickled_error()
+    except Exception as e:  # not there, or not unpicklable here: the trial's own error
+        log.warning("trial %s: its error could not be read back (%s: %s)", trial.trial_id, type(e).__name__, e)
+        return None
 
 
 def log_sweep_figures(tracking_uri: str, parent_run_id: str, figures: dict[str, float]) -> None:
@@ -482,6 +540,24 @@ def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, floa
         if batch and m.get("epoch"):
             seen.setdefault(int(batch), []).append(m["train_seconds"] / m["epoch"])
     return {b: statistics.median(v) for b, v in seen.items()}
+
+
+def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict | None]:
+    """{trial id: how it ended} for a sweep's trials whose end the store holds as final (failures.settled): a
+    resumed sweep's relays end them so, and never train them again."""
+    from mlflow.tracking import MlflowClient
+
+    from raysweep.failures import settled
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    out = {}
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                    max_results=10_000):
+        verdict = settled(child.info.status, child.data.tags)
+        if verdict is not False:
+            out[child.data.tags.get("trial_id", child.info.run_name)] = verdict
+    return out
 
 
 def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metric: str) -> dict:

@@ -10,7 +10,6 @@ from raysweep.cli import main
 from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig, load_config
 from raysweep.model import CaptchaCNN
 from raysweep.optim import build_optimizer
-from raysweep.tracking import failure_kind
 from raysweep.worker.faults import FaultInjection, TrialFailure
 from raysweep.worker.net import RankModel
 from raysweep.worker.probe_step import probe_step
@@ -104,10 +103,32 @@ def test_divergence_watch_raises_on_cpu_at_once():
         watch.check(~torch.isfinite(torch.tensor(float("nan"))), 2, 7)
 
 
-def test_failure_kinds():
-    assert failure_kind("TrialFailed: OOM at per-GPU batch 128 (micro-batch 64 after 1 downshifts)") == "oom"
-    assert failure_kind("TrialFailed: diverged: non-finite loss or gradient norm at epoch 2, step 10") == "diverged"
-    assert failure_kind("ValueError: something else") is None
+def test_a_failures_kind_travels_typed_through_pickling_and_rays_wrapper():
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from raysweep.failures import TrialFailure, kind_of, settled
+
+    failure = TrialFailure("oom", "OOM at per-GPU batch 128 (micro-batch 64 after 1 downshifts)")
+    again = pickle.loads(pickle.dumps(failure))  # Tune pickles the trial's error; Ray pickles it across processes
+    assert (again.kind, again.message, str(again)) == ("oom", failure.message, failure.message)
+    assert TrialFailure.from_dict(failure.as_dict()).kind == "oom" and failure.final
+    # what Tune keeps for a trial function that raised: Ray's wrapper, the failure as its cause (no message parsed)
+    wrapped = pickle.loads(pickle.dumps(RayTaskError("run_trial", "traceback text", failure).as_instanceof_cause()))
+    assert kind_of(wrapped) == "oom"
+    assert kind_of(TrialFailure("infra", "worker group lost")) == "infra" and not TrialFailure("infra", "x").final
+    assert kind_of(ValueError("OOM at per-GPU batch 128 diverged")) == "error"  # a message says nothing
+    with pytest.raises(ValueError, match="not one of"):
+        TrialFailure("flaky", "x")
+    # what --resume does with a trial, from its run in the store
+    assert settled("FINISHED", {}) is None
+    assert settled("KILLED", {"stopped_by": "asha"}) is None  # pruned stays pruned
+    assert settled("KILLED", {"interrupted": "true"}) is False  # Ctrl-C: it goes on
+    assert settled("FAILED", {"failure": "infra", "error": "worker group lost"}) is False
+    assert settled("FAILED", {"failure": "diverged", "error": "diverged: at epoch 2"}) == {
+        "kind": "diverged", "message": "diverged: at epoch 2"}
+    assert settled("RUNNING", {}) is False
 
 
 @pytest.mark.ray

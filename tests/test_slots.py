@@ -98,8 +98,9 @@ def test_a_restarted_group_resumes_its_trial_until_the_restarts_are_spent_then_t
         assert again["slot_opened_at"] is None  # a restart is not this trial's start-up
         assert await b.next_assignment(0, None) is None  # a second restart: max_failures 1 spent; nothing else
         polled = await b.poll("a", seq, 0, wait_s=0)
-        assert polled["done"] and "train.max_failures 1" in polled["failure"]
-        assert "died unexpectedly" in polled["failure"]  # metrics.error_line names it a worker death
+        assert polled["done"] and "train.max_failures 1" in polled["failure"]["message"]
+        assert "died unexpectedly" in polled["failure"]["message"]  # metrics.error_line names it a worker death
+        assert polled["failure"]["kind"] == "error"  # restarts spent: the trial's own (a crash in its step looks so)
 
     run(go())
 
@@ -125,8 +126,75 @@ def test_a_slot_whose_group_cannot_start_fails_its_trial_with_the_cause():
         b = Broker(1, Fits(fail_with="ControllerError: The worker group startup timed out after 15.0 seconds").launch)
         seq = await b.submit("a", trial(), "/runs/a", 3)
         polled = await b.poll("a", seq, 0, wait_s=5)
-        assert polled["done"] and "startup timed out" in polled["failure"] and "worker group lost" in polled["failure"]
+        failure = polled["failure"]
+        assert polled["done"] and "startup timed out" in failure["message"] and "worker group lost" in failure["message"]
+        assert failure["kind"] == "infra"  # not the trial's fault: its relay submits it again
         assert b.slots == {}
+
+    run(go())
+
+
+def test_a_group_whose_set_up_fails_every_time_ends_its_slot_and_no_trial_of_that_shape_waits_forever():
+    async def go():
+        fits = Fits()
+        b = Broker(1, fits.launch)
+        shape = {"scaling": {**CPU2, "max_setup_failures": 3}}
+        seq = await b.submit("a", shape, "/runs/a", 5)
+        queued = await b.submit("b", shape, "/runs/b", 5)
+        await settle()
+        for n in range(1, 3):  # Ray Train restarts the group after each; its rank 0 never gets to ask
+            await b.group_error(0, f"rank 0: RuntimeError: CUDA error: no device ({n})")
+            assert 0 in b.slots and not fits.ends[0].done()
+        await b.group_error(0, "rank 0: RuntimeError: CUDA error: no device (3)\nrank 1: RuntimeError: same")
+        await settle()
+        assert fits.ends[0].cancelled()  # its fit() (on Ray: the slot host, with the controller) is ended
+        polled = await b.poll("a", seq, 0, wait_s=0)
+        assert polled["done"] and polled["failure"]["kind"] == "infra"
+        message = polled["failure"]["message"]
+        assert "set-up failed 3 times in a row (scaling.max_setup_failures 3)" in message
+        assert "CUDA error: no device (3)" in message and "\n" not in message  # the workers' error, one line
+        # no group of this shape ever set up: the queued trial, and any later one, fails at once (no new slot)
+        assert (await b.poll("b", queued, 0, wait_s=0))["failure"]["kind"] == "infra"
+        late = await b.submit("c", shape, "/runs/c", 5)
+        assert (await b.poll("c", late, 0, wait_s=1))["done"]
+        assert [s for s, _ in fits.launched] == [0] and b.slots == {}
+
+    run(go())
+
+
+def test_set_up_failures_count_in_a_row_and_a_failure_mid_trial_is_a_restart_not_a_set_up_failure():
+    async def go():
+        fits = Fits()
+        b = Broker(1, fits.launch)
+        shape = {"scaling": {**CPU2, "max_setup_failures": 2}}
+        seq = await b.submit("a", shape, "/runs/a", 5)
+        await settle()
+        await b.group_error(0, "rank 0: set-up 1")  # one set-up fails
+        assert (await b.next_assignment(0, None))["seq"] == seq  # the next one gets through: the count restarts
+        await b.group_error(0, "rank 1: died mid-trial", "oom")  # a restart, counted against the trial's max_failures
+        await b.group_error(0, "rank 0: set-up 1")  # the restarted group's set-up fails once: not yet the limit
+        assert (await b.next_assignment(0, None))["seq"] == seq and b.trials["a"].restarts == 1
+        assert b.trials["a"].last_error_kind == "oom" and 0 in b.slots
+
+    run(go())
+
+
+def test_an_idle_slot_with_nothing_queued_leaves_after_keep_warm_s(monkeypatch):
+    import raysweep.slots as slots
+
+    monkeypatch.setattr(slots, "ASK_WAIT_S", 0.05)
+
+    async def go():
+        b = Broker(1, Fits().launch, keep_warm_s=0.2)
+        seq = await b.submit("a", trial(), "/runs/a", 1)
+        got = await b.next_assignment(0, None)
+        await b.finish(seq)
+        assert await b.next_assignment(0, got["seq"]) is None  # idle, but not for long yet
+        await asyncio.sleep(0.25)
+        assert await b.next_assignment(0, got["seq"]) == {"retire": True}  # its resources go back to the cluster
+        await b.submit("b", trial(), "/runs/b", 1)  # a later trial gets a new group
+        await settle()
+        assert len([s for s in b.slots.values() if not s.retiring]) == 1
 
     run(go())
 
@@ -320,6 +388,7 @@ def test_a_checkpoint_waits_until_the_store_holds_every_earlier_epoch_and_close_
         await b2.next_assignment(0, seq_r)
         await b2.report(seq2, {"epoch": 1})
         assert await b2.recorded_through(seq2, 1, wait_s=0.05) is False
-        assert "MLflow recorded none of the trial's epochs after 0" in (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
+        failure = (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
+        assert "MLflow recorded none of the trial's epochs after 0" in failure["message"] and failure["kind"] == "infra"
 
     run(go())

@@ -5,7 +5,6 @@ Ray is imported inside the functions: the rest of the worker runs (and is tested
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -16,19 +15,23 @@ from raysweep.config import TrialConfig
 from raysweep.metrics import report_dict
 from raysweep.worker import compile_cache
 from raysweep.worker.device import release_host_memory, setup_device
-from raysweep.worker.faults import TrialFailure
+from raysweep.worker.faults import FAULTS, TrialFailure
 from raysweep.worker.reduce import agree, broadcast_object, gather_strings
 from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS, TrainingRun
 from raysweep.worker.shard import Shard
 
 log = logging.getLogger(__name__)
 
+# a rank 0's call to the broker waits at most this long beyond the wait the call itself may make (the broker's long
+# polls, a rung's decision, the store: slot_worker's config says how long)
+BROKER_ANSWER_S = 30.0
+
 
 def train_worker(config: dict) -> None:
     """Every rank of one trial on a group of its own, from epoch 1 (`cluster.make_trainer`'s default: the
     benchmarks' cold start and the tests that fit one trainer); a sweep's trials run on warm groups instead
     (`slot_worker`), which keep their checkpoints and resume. `config` = {"trial": TrialConfig dict, "data":
-    ObjectRef, "failure_file", "compile_cache": the sweep's compile cache (compile_cache.py)}."""
+    ObjectRef, "compile_cache": the sweep's compile cache (compile_cache.py)}."""
     import ray
     import ray.train
     import ray.train.torch
@@ -49,27 +52,30 @@ def train_worker(config: dict) -> None:
         ray.train.report(payload)  # every rank: it is a collective
         return True
 
-    train_epochs(run, 1, send, config["failure_file"], config.get("compile_cache"))
+    failure = train_epochs(run, 1, send, config.get("compile_cache"))[1]
+    if failure is not None:  # no broker to hand it to: the fit() fails with it
+        raise failure
 
 
-def train_epochs(run: TrainingRun, start_epoch: int, send, failure_file: str, cache: str | None,
-                 on_probed=None, proven: int = 0) -> bool:
+def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on_probed=None,
+                 proven: int = 0) -> tuple[bool, TrialFailure | None]:
     """The loop every rank runs for a trial once its run is built and restored: the restored epoch's report again,
     the OOM probe step, then train · evaluate · reduce · `send(payload, epoch)` per epoch while `send` says go on
     (every rank gets the same answer). `send(payload, None)`: the re-sent report (no checkpoint with it).
-    `proven`: TrainingRun.fit_in_memory's. Returns whether an epoch trained at the run's micro-batch.
+    `proven`: TrainingRun.fit_in_memory's. Returns (whether an epoch trained at the run's micro-batch, the agreed
+    failure that ended the trial: OOM past the downshifts, divergence; None when it did not fail).
 
     The restored checkpoint's report goes out first (every rank): it may have died with a killed driver, and a
     run that had finished must end with its real final result; trackers skip what they already hold.
     """
-    rank, trained = run.rank, False
+    trained = False
     if run.last_report and not send(run.last_report, None):
-        return trained
+        return trained, None
     try:
         run.fit_in_memory(proven)
         if on_probed is not None:
             on_probed()
-        if rank == 0 and run.net.compile_s > 0:
+        if run.rank == 0 and run.net.compile_s > 0:
             compile_cache.save_artifacts(cache)
         epoch = start_epoch
         while epoch <= run.epochs:  # run.epochs: under a time budget, fixed by the end of warmup (resolve_epochs)
@@ -79,15 +85,16 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, failure_file: str, ca
                 break
             epoch += 1
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
-        if rank == 0:
-            write_failure(failure_file, failure)
-    return trained
+        return trained, failure
+    return trained, None
 
 
 def slot_worker(config: dict) -> None:
     """Every rank of a warm worker group (raysweep/slots.py): set up once, then run the trials the sweep's broker
     hands this slot, one after another, until the slot is retired. `config` = {"trial": the first trial's
-    TrialConfig dict (the group's shape), "data": ObjectRef, "broker", "slot": its number, "compile_cache"}.
+    TrialConfig dict (the group's shape), "data": ObjectRef, "broker", "slot": its number, "compile_cache",
+    "decision_wait_s", "store_wait_s": how long the broker may hold a report (slots.Broker.report) and a checkpoint
+    (Broker.recorded_through)}.
 
     What a trial builds is its own (model, optimizer, schedule, restore from its folder's checkpoint); the
     processes, the process group, the device, the data on it and the compile caches stay. Rank 0 talks to the
@@ -105,15 +112,23 @@ def slot_worker(config: dict) -> None:
     broker, slot = config["broker"], config["slot"]
     device = ray.train.torch.get_device()
     setup_device(device)
+    FAULTS.check_setup()
     compile_cache.load_artifacts(config.get("compile_cache"))
     data = ray.get(config["data"])  # zero-copy from the node's object store
     nodes = gather_strings(ray.get_runtime_context().get_node_id())
+    decision_wait_s = config["decision_wait_s"]  # slots.DECISION_WAIT_S
+    store_wait_s = config["store_wait_s"]  # mlflow.retry_s: how long the store may blink
+
+    def ask(ref, wait_s: float = 0.0):
+        return ray.get(ref, timeout=BROKER_ANSWER_S + wait_s)
+
     shards: dict[int, tuple[Shard, Shard]] = {}  # by number of classes: on the device once per group
     after, fresh = None, True
     proven = 0  # the largest micro-batch a trial has trained in this group: later ones that fit skip the OOM probe
     while True:
-        assignment = broadcast_object(ray.get(broker.next_assignment.remote(slot, after)) if rank == 0 else None,
-                                      device)
+        # every call to the broker has a deadline: a broker that is gone raises at once (ActorDiedError), one that
+        # no longer answers raises here, and either way this group ends instead of waiting forever
+        assignment = broadcast_object(ask(broker.next_assignment.remote(slot, after)) if rank == 0 else None, device)
         if assignment is None:
             continue  # nothing to run yet: ask again
         if assignment.get("retire"):
@@ -147,30 +162,30 @@ def slot_worker(config: dict) -> None:
             if rank == 0:
                 # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
                 # at once (MLflow wrote the last epoch while this one trained)
-                if due and not ray.get(broker.recorded_through.remote(seq, epoch - 1)):
+                if due and not ask(broker.recorded_through.remote(seq, epoch - 1), store_wait_s):
                     go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
                 else:
                     if due:
                         save_checkpoint(run_dir, epoch, run.state(epoch, payload))
-                    go = ray.get(broker.report.remote(seq, payload, timeline if epoch is not None else None,
-                                                      epoch is None))
+                    go = ask(broker.report.remote(seq, payload, timeline if epoch is not None else None,
+                                                  epoch is None), decision_wait_s)
                 if epoch is not None:
                     timeline = None
             return agree(go, device)
 
-        if train_epochs(run, start_epoch, send, storage.join(run_dir, FAILURE_FILE), config.get("compile_cache"),
-                        on_probed=lambda: stamps.update(probed=time.time()), proven=proven):
+        trained, failure = train_epochs(run, start_epoch, send, config.get("compile_cache"),
+                                        on_probed=lambda: stamps.update(probed=time.time()), proven=proven)
+        if trained:
             proven = max(proven, run.micro_batch)
-        del run
+        del run, send
         if device.type == "cpu":
             release_host_memory()
-        if rank == 0:
-            ray.get(broker.finish.remote(seq))
+        if rank == 0:  # the failure as data: its kind reaches Tune and MLflow as it is (failures.py)
+            ask(broker.finish.remote(seq, failure.as_dict() if failure is not None else None))
 
 
 # raysweep's own checkpoints of a trial on a warm group, in the trial's folder: checkpoint_<epoch>/state.pt, the
-# newest KEPT_CHECKPOINTS kept; and the agreed-failure file beside them (cluster.read_failure reads it)
-FAILURE_FILE = "raysweep_failure.json"
+# newest KEPT_CHECKPOINTS kept
 
 
 def save_checkpoint(run_dir: str, epoch: int, state: dict) -> str:
@@ -213,11 +228,6 @@ def last_checkpoint_epoch(run_dir: str) -> int:
     names = [n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")]
     return max((int(n.removeprefix("checkpoint_")) for n in names if n.removeprefix("checkpoint_").isdigit()),
                default=0)
-
-
-def write_failure(location: str, failure: TrialFailure) -> None:
-    """Rank 0's half of the agreed-failure file (cluster.read_failure is the trial function's half)."""
-    storage.write_text(location, json.dumps({"kind": failure.kind, "message": str(failure)}))
 
 
 def quiet_ray_train_logs() -> None:

@@ -12,13 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class TrialFailure(Exception):
-    """A failure every rank agreed on (OOM past the downshifts, divergence): the trial ends, no retry."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
+from raysweep.failures import TrialFailure  # noqa: F401  (raised by the step and the probe: agreed by every rank)
 
 
 @dataclass(frozen=True)
@@ -27,11 +21,13 @@ class FaultInjection:
 
     RAYSWEEP_TEST_OOM_ABOVE=N: the training step raises torch.OutOfMemoryError when the per-GPU
     micro-batch exceeds N. RAYSWEEP_TEST_NAN_AT_STEP=K: the loss is NaN at optimizer step K (1-based).
+    RAYSWEEP_TEST_SETUP_FAILS=1: a warm group's set-up raises on every rank, every time (a node's broken GPU).
     Everything else on the path is the real one. They reach workers through `cluster.worker_env()`.
     """
 
     oom_above: int | None = None
     nan_at_step: int | None = None
+    setup_fails: bool = False
 
     @classmethod
     def from_env(cls) -> FaultInjection:
@@ -39,7 +35,12 @@ class FaultInjection:
             value = os.environ.get(name)
             return int(value) if value else None
 
-        return cls(read("RAYSWEEP_TEST_OOM_ABOVE"), read("RAYSWEEP_TEST_NAN_AT_STEP"))
+        return cls(read("RAYSWEEP_TEST_OOM_ABOVE"), read("RAYSWEEP_TEST_NAN_AT_STEP"),
+                   bool(read("RAYSWEEP_TEST_SETUP_FAILS")))
+
+    def check_setup(self) -> None:
+        if self.setup_fails:
+            raise RuntimeError("RAYSWEEP_TEST_SETUP_FAILS=1: this rank's device set-up failed")
 
     def check_oom(self, micro_batch: int) -> None:
         if self.oom_above is not None and micro_batch > self.oom_above:

@@ -1,0 +1,108 @@
+"""The warm-group runtime under real faults (issue 28): a set-up that fails every time, a cluster whose CPUs another
+job holds, a slot host SIGKILLed mid-trial, the broker SIGKILLed (then --resume, with a pruned trial that must stay
+pruned). Real Ray (the session cluster), real MLflow on SQLite, real processes killed by pid."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import tiny_spec, write_spec
+from raysweep.cli import main
+from test_resilience import _assert_twins, _children, _client, _final_weights, _losses, _steps, _wait_for
+
+
+def _actors(class_name):
+    """This cluster's live actors of a class (the State API names a class made in a function by its qualified name,
+    `_actor_classes.<locals>.SlotHost`)."""
+    import ray
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(address=ray.get_runtime_context().gcs_address, raise_on_missing_output=False,
+                                   filters=[("state", "=", "ALIVE")], limit=10_000)
+            if a.class_name.rsplit(".", 1)[-1] == class_name]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_set_up_that_fails_every_time_ends_the_sweep_in_bounded_time_with_the_cause(ray_cluster, tmp_path,
+                                                                                     monkeypatch, capsys):
+    monkeypatch.setenv("RAYSWEEP_TEST_SETUP_FAILS", "1")  # every rank's device set-up raises (a node's broken GPU)
+    spec = tiny_spec(tmp_path, scaling={"max_setup_failures": 2},
+                     search={"per_gpu_batch_size": 16, "base_lr": {"loguniform": [1.0e-4, 1.0e-3]},
+                             "warmup_epochs": 1, "weight_decay": 1.0e-4},
+                     tune={"num_samples": 2, "asha": {"grace_period": 1}})
+    t0 = time.monotonic()
+    assert main(["tune", str(write_spec(tmp_path, spec))]) == 1  # no trial could run
+    waited = time.monotonic() - t0
+    out = capsys.readouterr().out
+    assert "set-up failed 2 times in a row (scaling.max_setup_failures 2)" in out, out[-3000:]
+    assert "RAYSWEEP_TEST_SETUP_FAILS=1: this rank's device set-up failed" in out  # the workers' own error
+    children = _children(tmp_path)
+    assert len(children) == 2 and all(r.info.status == "FAILED" for r in children)
+    assert {r.data.tags["failure"] for r in children} == {"infra"}  # the node's fault, not the trials': resumable
+    assert waited < 200, waited  # before: restarted ~150 times in 600 s, never ended
+    assert not _actors("SlotHost") and not _actors("TrainController")  # nothing left restarting
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_sweep_that_finds_the_cluster_busy_waits_saying_for_what_then_runs(ray_cluster, tmp_path, capsys):
+    @ray_cluster.remote(num_cpus=2)
+    class Hog:  # another job holding every CPU
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray_cluster.get(hog.ready.remote(), timeout=60)
+    result = []
+    sweep = threading.Thread(target=lambda: result.append(main(["train", str(write_spec(tmp_path, tiny_spec(
+        tmp_path, train={"epochs": 1, "reference_batch_size": 64})))])), daemon=True)
+    try:
+        sweep.start()
+        time.sleep(20)  # longer than the worker group start-up wait (2 × 15 s would have failed it before)
+        assert sweep.is_alive()
+    finally:
+        ray_cluster.kill(hog)
+    sweep.join(timeout=240)
+    out = capsys.readouterr().out
+    assert result == [0], out[-3000:]
+    assert "plan: waiting for 2 CPUs free for one trial's workers: 0 CPU free (free of 2 CPU: other jobs hold the " \
+           "rest)" in out, out[-3000:]
+    (run,) = _children(tmp_path)
+    assert run.info.status == "FINISHED"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(480)
+def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_twin(ray_cluster, tmp_path):
+    # two identical trials, one at a time: the first loses its slot host (SIGKILL, as the OOM killer would) after
+    # epoch 1 is recorded; it continues from its checkpoint on a new group and must end as the second, never hit
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
+                     train={"epochs": 4, "reference_batch_size": 64, "max_failures": 0},
+                     search={"per_gpu_batch_size": 16, "base_lr": 2.0e-3, "warmup_epochs": 1, "weight_decay": 1.0e-4},
+                     tune={"num_samples": 2, "asha": {"grace_period": 4, "max_t": 4}})
+    killed = []
+
+    def kill_the_slot_host():
+        host = _wait_for(lambda: _actors("SlotHost"), 120, "the slot host")[0]  # the State API takes seconds here
+        _wait_for(lambda: (runs := _children(tmp_path)) and len(_steps(tmp_path, runs[0])) >= 1, 240, "epoch 1")
+        os.kill(host.pid, signal.SIGKILL)
+        killed.append(host.pid)
+
+    thread = threading.Thread(target=kill_the_slot_host, daemon=True)
+    thread.start()
+    assert main(["tune", str(write_spec(tmp_path, spec))]) == 0
+    thread.join(timeout=10)
+    assert killed, "no slot host was killed"
+    runs = sorted(_children(tmp_path), key=lambda r: r.info.start_time)
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    hit, twin = runs
+    assert hit.data.tags["raysweep.infra_retries"] == "1" and "raysweep.infra_retries" not in twin.data.tags
+    assert _steps(tmp_path, hit) == [1, 2, 3, 4]  # every epoch once: the re-sent checkpoint's epoch not again
+    assert _losses(tmp_path, hit) == _losses(tmp_path, twin)
+    train = tmp_path / "results" / "t" / "train"
+    _assert_twins(_final_weights(train, hit.data.tags["trial_id"]), _final_weights(train, twin.data.tags["trial_id"]),
+                  "slot host killed")
