@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from raysweep.errors import UserError
+from raysweep.errors import SweepFailed, UserError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raysweep: interrupted (resume with: python -m raysweep tune SPEC --resume)", file=sys.stderr)
         return 130
+    except SweepFailed as e:  # the infrastructure under the sweep failed (its broker lost): the cause, no traceback
+        print(f"raysweep: failed: {e} (resume with: python -m raysweep tune SPEC --resume)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
-"""The one error type a user sees as a single line (exit code 2), never as a traceback."""
+"""The errors a user sees as a single line, never as a traceback: bad input (exit code 2), a sweep whose
+infrastructure failed (exit code 1)."""
 
 
 class UserError(Exception):
     """Bad input: the message names the file, the key, the value and the fix, on one line."""
+
+
+class SweepFailed(Exception):
+    """The infrastructure under a running sweep failed for good (its broker lost): one line, exit code 1; the
+    trials' checkpoints are kept and `tune --resume` continues them."""

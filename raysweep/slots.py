@@ -474,16 +474,17 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
     return broker
 
 
-def broker_lost(experiment_path: str) -> str | None:
+def broker_lost(experiment_path: str, wait_s: float | None = None) -> str | None:
     """Why the sweep's broker is gone (its actor died: the OOM killer, its node), else None. Checked at most every
-    WATCH_EVERY_S, without waiting: the broker's `watch` call fails as soon as the actor dies."""
+    WATCH_EVERY_S, without waiting (the broker's `watch` call fails as soon as the actor dies); with `wait_s`, now,
+    waiting that long for Ray to say."""
     import ray
 
     watch = _WATCH.get(experiment_path)
-    if watch is None or time.monotonic() - watch[1] < WATCH_EVERY_S:
+    if watch is None or (wait_s is None and time.monotonic() - watch[1] < WATCH_EVERY_S):
         return None
     watch[1] = time.monotonic()
-    ready, _ = ray.wait([watch[0]], timeout=0)
+    ready, _ = ray.wait([watch[0]], timeout=wait_s or 0)
     if not ready:
         return None
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from raysweep import storage
 from raysweep.config import Choice, LogUniform, RandInt, SweepConfig, Uniform, spec_yaml
-from raysweep.errors import UserError
+from raysweep.errors import SweepFailed, UserError
 from raysweep.metrics import TrialView
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,10 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     relay_started = time.time()
     trial_id = tune.get_context().get_trial_id()
     if trial_id in context.settled:
-        failure = context.settled[trial_id]
-        if failure is not None:
-            raise TrialFailure.from_dict(failure)
+        ended = context.settled[trial_id]
+        if ended["failure"] is not None:
+            raise TrialFailure.from_dict(ended["failure"])
+        tune.report(ended["last"])  # Tune needs a last result with the metric; the store is not written again
         return
     trial = context.config.trial(knobs, context.train_size, context.batch_cap)
     # the folder comes from the trial id: a trial run again (restart, --resume) continues from its checkpoint there
@@ -127,7 +128,7 @@ def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_star
 
 
 INFRA_RETRIES = "infra_retries"  # reported by a trial submitted again after an infrastructure failure (MLflow tag)
-class BrokerLost(RuntimeError):
+class BrokerLost(SweepFailed):
     """The sweep's broker actor died (its node, the OOM killer): the sweep ends with the cause."""
 
 
@@ -253,9 +254,19 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
                                                        context.train_size,
                                                        functools.partial(slots.recorded, experiment_path)),
                          console.make_console_callback(progress)]
-            results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
-                             callbacks, scheduler, (tracking_uri, parent_run_id)).fit()
+            try:
+                results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
+                                 callbacks, scheduler, (tracking_uri, parent_run_id)).fit()
+            except Exception as e:  # Tune may wrap what a callback raised: the broker lost is the cause to show
+                lost = _in_chain(e, BrokerLost)
+                if lost is not None and lost is not e:
+                    raise lost from e
+                raise
             tracking.flush_writes(parent_run_id)  # the trials' runs whole before anything reads or ends them
+        lost = slots.broker_lost(experiment_path, wait_s=1.0)  # the trials may have ended with it before Tune's loop saw
+        if lost:
+            raise BrokerLost(f"the sweep's broker was lost ({lost}); the trials' checkpoints are kept: "
+                             f"`tune --resume` continues them")
         wall_s = time.monotonic() - t_start
         busy = busy_share(ray.get(broker.state.remote())["busy_s"], wall_s, plan.trials_at_once)
         tracking.log_sweep_figures(tracking_uri, parent_run_id, {"busy_share": busy, "sweep_wall_s": wall_s})
@@ -312,6 +323,14 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             import ray
 
             ray.shutdown()
+
+
+def _in_chain(e: BaseException, kind: type) -> BaseException | None:
+    for _ in range(10):
+        if e is None or isinstance(e, kind):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def busy_share(busy_s: float, wall_s: float, slots: int) -> float:

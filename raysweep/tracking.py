@@ -542,9 +542,10 @@ def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, floa
     return {b: statistics.median(v) for b, v in seen.items()}
 
 
-def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict | None]:
-    """{trial id: how it ended} for a sweep's trials whose end the store holds as final (failures.settled): a
-    resumed sweep's relays end them so, and never train them again."""
+def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict]:
+    """{trial id: {"failure": how it failed or None, "last": its last reported metrics}} for a sweep's trials whose
+    end the store holds as final (failures.settled): a resumed sweep's relays end them so (a pruned or finished one
+    reports its last result again: Tune needs one with the metric), and never train them again."""
     from mlflow.tracking import MlflowClient
 
     from raysweep.failures import settled
@@ -556,7 +557,10 @@ def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict | No
                                     max_results=10_000):
         verdict = settled(child.info.status, child.data.tags)
         if verdict is not False:
-            out[child.data.tags.get("trial_id", child.info.run_name)] = verdict
+            last = dict(child.data.metrics)
+            if "resolved_epochs" in child.data.params:  # what metrics.Horizon reads to call it finished
+                last["resolved_epochs"] = int(child.data.params["resolved_epochs"])
+            out[child.data.tags.get("trial_id", child.info.run_name)] = {"failure": verdict, "last": last}
     return out
 
 

@@ -106,3 +106,94 @@ def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_t
     train = tmp_path / "results" / "t" / "train"
     _assert_twins(_final_weights(train, hit.data.tags["trial_id"]), _final_weights(train, twin.data.tags["trial_id"]),
                   "slot host killed")
+
+
+def _tune_saw_running(experiment, trial_id) -> bool:
+    """Whether Tune's newest saved experiment state holds `trial_id` as RUNNING."""
+    import json
+
+    states = sorted(experiment.glob("experiment_state-*.json"))
+    try:
+        data = json.loads(states[-1].read_text()) if states else {"trial_data": []}
+    except ValueError:  # being written
+        return False
+    return any(json.loads(t)["trial_id"] == trial_id and json.loads(t)["status"] == "RUNNING"
+               for t, _ in data["trial_data"])
+
+
+def _run(tmp_path, trial_id):
+    return next((r for r in _children(tmp_path) if r.data.tags.get("trial_id") == trial_id), None)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_the_broker_killed_ends_the_sweep_with_the_cause_and_resume_finishes_it_but_never_a_pruned_trial(
+        ray_cluster, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from ray.tune import ExperimentAnalysis
+
+    # three trials, one at a time: the baseline (good LR), then one ASHA prunes at its first rung (an LR of 1e-6:
+    # tune.seed 2 draws it second), then a good one. Tune's saved state is taken while the second still runs; the
+    # broker is SIGKILLed while the third runs; Tune's state is put back to the copy (what a driver SIGKILLed right
+    # after the prune would have left: Tune saves every few seconds, the store holds the prune) and the sweep is
+    # resumed: the pruned trial must stay pruned, the interrupted one finish from its checkpoint.
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
+                     search={"per_gpu_batch_size": 16, "base_lr": {"choice": [2.0e-3, 1.0e-6], "default": 2.0e-3},
+                             "warmup_epochs": 0, "weight_decay": 1.0e-4},
+                     train={"epochs": 4, "reference_batch_size": 64},
+                     tune={"num_samples": 3, "seed": 2, "asha": {"grace_period": 2, "max_t": 4,
+                                                                "reduction_factor": 2}})
+    path = write_spec(tmp_path, spec)
+    experiment = tmp_path / "results" / "t"
+    saved, events = tmp_path / "tune_state_before_the_prune", []
+
+    def act():
+        ids = lambda: sorted(r.data.tags["trial_id"] for r in _children(tmp_path))  # noqa: E731
+        second = _wait_for(lambda: len(ids()) >= 2 and ids()[1], 240, "the second trial's run")
+        _wait_for(lambda: _tune_saw_running(experiment, second), 60, "Tune's saved state with it running")
+        shutil.copytree(experiment, saved, ignore=shutil.ignore_patterns("train", "slots", "compile_cache"))
+        events.append(("saved", second))
+        _wait_for(lambda: _run(tmp_path, second).data.tags.get("stopped_by") == "asha", 240, "the prune")
+        third = _wait_for(lambda: len(ids()) >= 3 and ids()[2], 120, "the third trial's run")
+        _wait_for(lambda: len(_steps(tmp_path, _run(tmp_path, third))) >= 1, 120, "its first epoch")
+        broker = _wait_for(lambda: _actors("BrokerActor"), 60, "the broker")[0]
+        os.kill(broker.pid, signal.SIGKILL)
+        events.append(("killed", third))
+
+    thread = threading.Thread(target=act, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    monkeypatch.setenv("TUNE_GLOBAL_CHECKPOINT_S", "0.5")  # Tune saves its state often: the copy can catch the trial
+    assert main(["tune", str(path)]) == 1
+    ended_in = time.monotonic() - t0
+    thread.join(timeout=10)
+    assert [e for e, _ in events] == ["saved", "killed"], events
+    (_, pruned), (_, third) = events
+    err = capsys.readouterr().err
+    assert "raysweep: failed: the sweep's broker was lost (" in err and "--resume" in err, err[-2000:]
+    assert _run(tmp_path, third).info.status == "FAILED" and _run(tmp_path, third).data.tags["failure"] == "infra"
+    pruned_epochs = _steps(tmp_path, _run(tmp_path, pruned))
+    assert pruned_epochs == [1, 2]  # cut at its first rung
+    # Tune's state as it was before the prune: the pruned trial RUNNING there, the third not yet started
+    for state in experiment.glob("*-state*.json"):
+        state.unlink()
+    for item in saved.iterdir():
+        target = experiment / item.name
+        if item.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(item, target)
+        else:
+            shutil.copy2(item, target)
+    before = {t.trial_id: t.status for t in ExperimentAnalysis(str(experiment)).trials}
+    assert before.get(pruned) in ("RUNNING", "PENDING") and third not in before, before  # unfinished (loads as PENDING)
+
+    assert main(["tune", str(path), "--resume"]) == 0, capsys.readouterr().err[-3000:]
+    runs = {r.data.tags["trial_id"]: r for r in _children(tmp_path)}
+    assert len(runs) == 3
+    assert runs[pruned].info.status == "KILLED" and runs[pruned].data.tags["stopped_by"] == "asha"
+    assert _steps(tmp_path, runs[pruned]) == pruned_epochs  # pruned stays pruned: not one more epoch
+    assert runs[third].info.status == "FINISHED" and _steps(tmp_path, runs[third]) == [1, 2, 3, 4]
+    assert "failure" not in runs[third].data.tags  # resumed: its infra failure is history
+    assert all(r.info.status in ("FINISHED", "KILLED") for r in runs.values())
+    assert ended_in < 240, ended_in  # the broker's loss was noticed (within seconds), not waited out
