@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CUDA check raysweep has, in one command for a lent GPU machine (the step limits sum to 9 minutes):
-#   1. the `gpu` tests (tests/test_gpu.py)                                   -> gpu_tests.txt
+#   1. the `gpu` tests (tests/test_gpu.py, tests/test_slot_memory.py)         -> gpu_tests.txt
 #   2. gpu_throughput.py: batch 64-4096 x bf16/fp32 x how the step runs (as a trial does, eager,
 #      compiled, compiled + CUDA graphs), most telling first, within a time budget -> gpu_throughput.txt
 #   3. gpu_probe.py: the largest per-GPU batch in bf16 and fp32, MiB/image    -> gpu_probe.txt
@@ -81,7 +81,8 @@ step() {  # step NAME OUTFILE TIMEOUT_S COMMAND...: runs it, its output to OUTFI
 
 if [[ $SMOKE == 1 ]]; then
     export RAYSWEEP_TEST_OOM_ABOVE=40  # the CPU has no allocator limit: the probe's bisection needs an OOM to find
-    step tests gpu_tests.txt 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider
+    step tests gpu_tests.txt 120 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_slot_memory.py -rs \
+        -p no:cacheprovider
     step throughput gpu_throughput.txt 120 "$PY" benchmarks/gpu_throughput.py --quick --json "$WORK/throughput.json"
     step probe gpu_probe.txt 120 "$PY" benchmarks/gpu_probe.py --quick --json "$WORK/probe.json"
     step compile_cache compile_cache.txt 240 "$PY" benchmarks/compile_cache.py --quick --trials 1 \
@@ -91,7 +92,8 @@ if [[ $SMOKE == 1 ]]; then
 else
     # one Inductor cache for the suite's own processes (compile_cache.py makes its own, to measure it)
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor}
-    step tests gpu_tests.txt 130 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider
+    step tests gpu_tests.txt 130 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_slot_memory.py -rA \
+        -p no:cacheprovider
     step throughput gpu_throughput.txt 150 "$PY" benchmarks/gpu_throughput.py --batches 1024,64,256,4096 \
         --compile auto,off,graphs,on --budget-s 100 --steps 30 --json "$WORK/throughput.json"
     step probe gpu_probe.txt 100 "$PY" benchmarks/gpu_probe.py --json "$WORK/probe.json"

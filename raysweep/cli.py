@@ -128,12 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"raysweep: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("raysweep: interrupted (resume with: python -m raysweep tune SPEC --resume)", file=sys.stderr)
-        return 130
-    except SweepFailed as e:  # the infrastructure under the sweep failed (its broker lost): the cause, no traceback
-        print(f"raysweep: failed: {e} (resume with: python -m raysweep tune SPEC --resume)", file=sys.stderr)
-        return 1
+    except (KeyboardInterrupt, SweepFailed) as e:  # SweepFailed: what ran the sweep failed (its broker lost)
+        failed = isinstance(e, SweepFailed)
+        print(f"raysweep: {f'failed: {e}' if failed else 'interrupted'} (resume with: python -m raysweep tune SPEC "
+              f"--resume)", file=sys.stderr)
+        return 1 if failed else 130
 
 
 if __name__ == "__main__":

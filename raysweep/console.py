@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 
 from raysweep.config import SweepConfig
-from raysweep.metrics import STARTUP_NAMES, STARTUP_PHASES, TrialView
+from raysweep.metrics import EAGER_FALLBACK, STARTUP_NAMES, STARTUP_PHASES, TrialView
 
 
 def fmt(value, spec: str = ".4g") -> str:
@@ -59,6 +59,7 @@ class ConsoleProgress:
     def __init__(self, config: SweepConfig, train_size: int, every_s: float = 30.0, per_epoch: bool = False):
         self.config, self.train_size, self.every_s, self.per_epoch = config, train_size, every_s, per_epoch
         self.startups: dict[str, dict] = {}  # trial id → startup_s and its phases (metrics.STARTUP_NAMES)
+        self.eager: set[str] = set()  # trials warned of an eager fallback
         self.last_table = time.monotonic()
 
     def row(self, view: TrialView) -> list[str]:
@@ -84,6 +85,10 @@ class ConsoleProgress:
                   flush=True)
 
     def trial_result(self, trial_id: str, result: dict) -> None:
+        if result.get(EAGER_FALLBACK) and trial_id not in self.eager:
+            self.eager.add(trial_id)
+            print(f"[{now()}] warning {trial_id}: its compiled step ran eager (Dynamo hit a recompile limit): slower "
+                  f"and another dropout stream than its compiled peers; MLflow tag raysweep.eager_fallback", flush=True)
         if "startup_s" in result and trial_id not in self.startups:
             self.startups[trial_id] = {k: float(result[k]) for k in STARTUP_NAMES if k in result}
             line = startup_line(self.startups[trial_id])

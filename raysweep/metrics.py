@@ -88,6 +88,9 @@ def startup_phases(stamps: dict[str, float]) -> dict[str, float]:
 
 METRIC_NAMES = tuple(f.name for f in fields(EpochMetrics))
 WORKER_PARAMS = tuple(f.name for f in fields(WorkerParams))
+# in a report once the trial's compiled step ran eager anywhere (Dynamo hit a recompile limit): MLflow tag
+# `raysweep.eager_fallback`, and a warning on the console (worker/compile_cache.py sizes the limits)
+EAGER_FALLBACK = "eager_fallback"
 # the metrics a sweep can rank by, each with the direction that is better (`tune.mode` must agree)
 METRIC_MODES = {"val_loss": "min", "val_exact_acc": "max", "val_char_acc": "max", "train_loss": "min"}
 RANKABLE_METRICS = tuple(METRIC_MODES)

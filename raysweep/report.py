@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,7 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
     return SweepReport(record, rows, baseline, advice, checked, str(folder), [*files, "report.html"]), trial_pngs
 
 
-REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote it, and may rewrite it
+REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote the folder (claim_folder)
 
 
 def publish(record: SweepRecord, location: str) -> SweepReport:
@@ -169,15 +170,46 @@ def publish(record: SweepRecord, location: str) -> SweepReport:
 
 
 def claim_folder(folder: Path) -> None:
-    """A local folder the report may write: new, empty, or one raysweep wrote before (its marker, or nothing but
-    a report's own files). Any other folder is refused: the report never mixes with, or deletes, other files."""
+    """A local folder the report may write: new, empty, or a report raysweep wrote and nothing else
+    (`foreign_files`). Any other folder is refused: the report never mixes with, or deletes, other files (a rebuild
+    removes trials/ whole, and writes over its own names)."""
     if folder.exists() and not folder.is_dir():
         raise UserError(f"report folder {folder}: a file, not a folder; give a new folder, e.g. --out ./report")
-    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    if names and REPORT_MARKER not in names and not names <= {*PLOTS, "report.html", "trials"}:
-        others = ", ".join(sorted(names - {*PLOTS, "report.html", "trials"})[:3])
-        raise UserError(f"report folder {folder}: it holds files raysweep did not write ({others}, …); give a new "
-                        f"or empty folder, e.g. --out {folder / 'raysweep_report'}")
+    foreign = foreign_files(folder) if folder.is_dir() else []
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
+        raise UserError(f"report folder {folder}: it holds files raysweep did not write ({shown}); give a new "
+                        f"or empty folder, e.g. --out {folder / 'raysweep_report'}, or move them out")
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """What in a report folder raysweep did not write, as paths relative to it, sorted. A report raysweep wrote
+    holds its marker (REPORT_MARKER) and beside it only what `publish` writes: report.html and the plots (PLOTS),
+    one PNG per trial under trials/, and what a killed write leaves (`_written_name`). Any other entry is foreign,
+    at any depth: a folder of another name is named itself (not entered: it may be a .git), and so is a link.
+    Without the marker, the report's names alone are not known to be raysweep's (a report.html may be a
+    person's): then they are all foreign."""
+    def own(entry: Path, written) -> bool:
+        return entry.is_file() and not entry.is_symlink() and written(_written_name(entry.name))
+
+    entries = sorted(folder.iterdir())
+    top = {REPORT_MARKER, "report.html", *PLOTS}
+    foreign = []
+    for entry in entries:
+        if entry.name == "trials" and entry.is_dir() and not entry.is_symlink():
+            foreign += [f"trials/{e.name}" for e in sorted(entry.iterdir()) if not own(e, lambda n: n.endswith(".png"))]
+        elif not own(entry, top.__contains__):
+            foreign.append(entry.name)
+    if not foreign and entries and not (folder / REPORT_MARKER).is_file():
+        return [entry.name for entry in entries]  # the report's names, but nothing says raysweep wrote them
+    return foreign
+
+
+def _written_name(name: str) -> str:
+    """The file a name is raysweep's write of: itself, or <name> for `.<name>.<pid>.tmp`, what storage.write_bytes
+    leaves when a report is killed mid-write."""
+    match = re.fullmatch(r"\.(.+)\.\d+\.tmp", name)
+    return match.group(1) if match else name
 
 
 def run(spec: str | None, overrides: list[str], experiment: str | None, tracking_uri: str | None,

@@ -16,7 +16,7 @@ from pathlib import Path
 from raysweep import drivers
 from raysweep.errors import UserError
 from raysweep.failures import INFRA
-from raysweep.metrics import METRIC_NAMES, STARTUP_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
+from raysweep.metrics import EAGER_FALLBACK, METRIC_NAMES, STARTUP_NAMES, WORKER_PARAMS, RunRecord, SweepRecord, TrialView
 
 log = logging.getLogger(__name__)
 
@@ -401,6 +401,7 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
             trial_id, knobs = trial.trial_id, dict(trial.config)
             step, now = int(result.get("epoch", 0)), int(time.time() * 1000)
             retries = int(result.get("infra_retries", 0))
+            eager = bool(result.get(EAGER_FALLBACK))
             values = {k: float(result[k]) for k in (*METRIC_NAMES, *STARTUP_NAMES) if result.get(k) is not None}
             worker_params = {k: str(result[k]) for k in WORKER_PARAMS if k in result}
 
@@ -429,6 +430,8 @@ def make_mlflow_callback(tracking_uri: str, experiment_id: str, parent_run_id: s
                         self.logged[trial_id] = step
                     if retries:
                         self.client.set_tag(run_id, "raysweep.infra_retries", str(retries))
+                    if eager:
+                        self.client.set_tag(run_id, "raysweep.eager_fallback", "true")
                 if self.on_recorded is not None:
                     self.on_recorded(trial_id, self.logged.get(trial_id, 0))
 

@@ -92,12 +92,12 @@ def test_gpu_suite_cpu_smoke_runs_every_step_without_ray_mlflow_or_captcha(tmp_p
     assert "blocked imports: ray,mlflow,captcha" in log
     for step in ("tests", "throughput", "probe", "compile_cache", "profile"):
         assert re.search(rf"^step {step}: exit 0 in \d+ s", log, re.M), log
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py"],
-                               capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py",
+                                "tests/test_slot_memory.py"], capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
     n_gpu_tests = int(re.search(r"^(\d+)(?:/\d+)? tests? collected", collected, re.M).group(1))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "cpu-smoke" and summary["failed_steps"] == []
-    # -m gpu: the CUDA cases alone (the CPU cases of tests/test_gpu.py run in the suite proper), all skipped here
+    # -m gpu: the CUDA cases alone (the CPU cases of those files run in the suite proper), all skipped here
     assert summary["tests"].get("skipped") == n_gpu_tests >= 15 and not {"passed", "failed"} & set(summary["tests"])
     assert "needs a CUDA device" in (tmp_path / "gpu_tests.txt").read_text()
     assert len(summary["throughput"]["rows"]) == 2 * 2  # batches × precisions, eager on CPU

@@ -115,7 +115,9 @@ def test_a_failures_kind_travels_typed_through_pickling_and_rays_wrapper():
     assert (again.kind, again.message, str(again)) == ("oom", failure.message, failure.message)
     assert TrialFailure.from_dict(failure.as_dict()).kind == "oom" and failure.final
     # what Tune keeps for a trial function that raised: Ray's wrapper, the failure as its cause (no message parsed)
-    wrapped = pickle.loads(pickle.dumps(RayTaskError("run_trial", "traceback text", failure).as_instanceof_cause()))
+    import cloudpickle  # as Tune writes a trial's error.pkl
+
+    wrapped = cloudpickle.loads(cloudpickle.dumps(RayTaskError("run_trial", "traceback", failure).as_instanceof_cause()))
     assert kind_of(wrapped) == "oom"
     assert kind_of(TrialFailure("infra", "worker group lost")) == "infra" and not TrialFailure("infra", "x").final
     assert kind_of(ValueError("OOM at per-GPU batch 128 diverged")) == "error"  # a message says nothing

@@ -197,3 +197,109 @@ def test_the_broker_killed_ends_the_sweep_with_the_cause_and_resume_finishes_it_
     assert "failure" not in runs[third].data.tags  # resumed: its infra failure is history
     assert all(r.info.status in ("FINISHED", "KILLED") for r in runs.values())
     assert ended_in < 240, ended_in  # the broker's loss was noticed (within seconds), not waited out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(folder, port, log):
+    """`mlflow server` on loopback over a SQLite store in `folder`, in a session of its own (killed by its group);
+    returns once it answers /health."""
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    mlflow = str(Path(sys.executable).with_name("mlflow"))
+    proc = subprocess.Popen([mlflow, "server", "--backend-store-uri", f"sqlite:///{folder / 'store.db'}", "--host",
+                             "127.0.0.1", "--port", str(port), "--workers", "1", "--artifacts-destination",
+                             str(folder / "artifacts")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise AssertionError(f"mlflow server did not start: {folder / 'server.log'}")
+            time.sleep(0.5)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_tracking_server_killed_and_back_a_minute_later_costs_the_sweep_nothing(ray_cluster, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    outage_s = 65  # past the 60 s a slot used to wait for the store, inside mlflow.retry_s
+    port, folder = _free_port(), tmp_path / "server"
+    folder.mkdir()
+    log = open(folder / "server.log", "ab")
+    servers = [_serve(folder, port, log)]
+    uri = f"http://127.0.0.1:{port}"
+    # MLflow's own HTTP retries (7, backoff ×2: ~2 min) would hide the writer's; keep them short here
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
+                     train={"epochs": 4, "reference_batch_size": 64},
+                     search={"per_gpu_batch_size": 16, "base_lr": {"loguniform": [1.0e-3, 3.0e-3]},
+                             "warmup_epochs": 1, "weight_decay": 1.0e-4},
+                     tune={"num_samples": 2, "asha": {"grace_period": 4, "max_t": 4}},  # no pruning
+                     mlflow={"tracking_uri": uri, "retry_s": 240})
+    done, searched, refused, events = threading.Event(), [0], [0], []
+    reader = MlflowClient(f"sqlite:///{folder / 'store.db'}")  # the test reads the database, not the server
+
+    def search():  # a user's client searching the runs every 0.3 s, through the outage (bounded: ≤ 2000 calls)
+        client = MlflowClient(uri)
+        while not done.is_set() and searched[0] + refused[0] < 2000:
+            try:
+                for e in client.search_experiments():
+                    client.search_runs([e.experiment_id], max_results=50)
+                searched[0] += 1
+            except Exception:
+                refused[0] += 1
+            time.sleep(0.3)
+
+    def logged_epochs():
+        found = reader.get_experiment_by_name("t")
+        runs = [] if found is None else [r for r in reader.search_runs([found.experiment_id])
+                                         if "mlflow.parentRunId" in r.data.tags]
+        return max((len(reader.get_metric_history(r.info.run_id, "val_loss")) for r in runs), default=0)
+
+    def outage():
+        _wait_for(lambda: logged_epochs() >= 2, 240, "two epochs in the store")
+        os.killpg(servers[0].pid, signal.SIGKILL)  # the server and its workers, nothing else
+        servers[0].wait(timeout=30)
+        events.append(("killed", time.monotonic()))
+        time.sleep(outage_s)
+        servers.append(_serve(folder, port, log))
+        events.append(("back", time.monotonic()))
+
+    threads = [threading.Thread(target=search, daemon=True), threading.Thread(target=outage, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        assert main(["tune", str(write_spec(tmp_path, spec))]) == 0
+        threads[1].join(timeout=120)
+    finally:
+        done.set()
+        for server in servers:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+    assert [e for e, _ in events] == ["killed", "back"] and events[1][1] - events[0][1] >= outage_s, events
+    assert refused[0] > 0 and searched[0] > 0  # the searching client saw the outage, and the server before and after
+    experiment = reader.get_experiment_by_name("t").experiment_id
+    runs = reader.search_runs([experiment])
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 2 and len(runs) == 3
+    for run in runs:  # every run terminal; no trial failed for the store
+        assert run.info.status == "FINISHED", (run.info.run_name, run.info.status, run.data.tags.get("error"))
+    for run in children:
+        for name in ("val_loss", "train_loss", "epoch"):
+            assert [m.step for m in reader.get_metric_history(run.info.run_id, name)] == [1, 2, 3, 4], name

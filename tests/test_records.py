@@ -86,13 +86,14 @@ def test_an_exception_inside_the_sweep_ends_the_parent_and_the_running_trial_fai
 def test_mlflow_writes_leave_tunes_loop_at_once_land_in_order_and_only_then_tell_the_slots(tmp_path, monkeypatch):
     """Tune's loop never waits on the store: with every MLflow write held back, the callback's events return at
     once; released, the writes land in the order Tune saw them, and only a written epoch is announced to the
-    slots (a checkpoint waits for it: slots.Broker.recorded_through). A store that fails fails the next event."""
+    slots (a checkpoint waits for it: slots.Broker.recorded_through). A store that blinks within mlflow.retry_s
+    loses nothing (the epoch lands once); one that fails past it fails the next event."""
     import threading
     from types import SimpleNamespace
 
     from mlflow.tracking import MlflowClient
 
-    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, mlflow={"retry_s": 3}))
     config = load_config(spec)
     uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
     experiment_id, parent = tracking.open_sweep(uri, config.experiment_name, "sweep", {}, spec_yaml(config))
@@ -125,16 +126,32 @@ def test_mlflow_writes_leave_tunes_loop_at_once_land_in_order_and_only_then_tell
     assert stored == [("t1", 1), ("t1", 2), ("t1", 2), ("t1", 3)]
     assert callback.get_state()["logged"] == {"t1": 3}
 
+    blinks = []
+
+    def blinking(self, *args, **kwargs):  # the write reaches the store, but its answer is lost
+        if len(blinks) < 2:
+            blinks.append(real(self, *args, **kwargs))
+            raise ConnectionError("the tracking server restarted")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", blinking)
+    callback.on_trial_result(0, [], trial, {"epoch": 4, "train_loss": 0.25})
+    tracking.flush_writes(parent)
+    history = _client(uri).get_metric_history(run_id, "train_loss")
+    assert [(m.step, m.value) for m in history][-1] == (4, 0.25) and len(history) == 4  # once, though sent twice
+    # the retry read the store first, found the epoch there, and did not send it again
+    assert stored[-1] == ("t1", 4) and len(blinks) == 1
+
     def down(self, *args, **kwargs):
         raise ConnectionError("the tracking server is down")
 
     monkeypatch.setattr(MlflowClient, "log_batch", down)
-    callback.on_trial_result(0, [], trial, {"epoch": 4, "train_loss": 0.2})
+    callback.on_trial_result(0, [], trial, {"epoch": 5, "train_loss": 0.2})
     with pytest.raises(RuntimeError, match="MLflow write failed: ConnectionError: the tracking server is down"):
-        tracking.flush_writes(parent)
+        tracking.flush_writes(parent)  # after mlflow.retry_s (3 s here) of retries
     with pytest.raises(RuntimeError, match="MLflow write failed"):
-        callback.on_trial_result(0, [], trial, {"epoch": 5, "train_loss": 0.1})
-    assert stored[-1] == ("t1", 3)
+        callback.on_trial_result(0, [], trial, {"epoch": 6, "train_loss": 0.1})
+    assert stored[-1] == ("t1", 4)
 
 
 def test_runs_whose_driver_is_gone_are_ended_by_the_next_command_on_the_store(tmp_path):
@@ -231,8 +248,11 @@ def test_report_refuses_a_folder_of_other_files_and_writes_only_its_own(tmp_path
 
     out = tmp_path / "report"
     assert main(["report", str(spec), "--out", str(out)]) == 0
-    (out / "notes.txt").write_text("written beside the report later")
-    assert main(["report", str(spec), "--out", str(out)]) == 0  # its own folder: rewritten
+    assert main(["report", str(spec), "--out", str(out)]) == 0  # its own folder: rebuilt
     logged = {a.path for a in _client(uri).list_artifacts(parent, "report")}
-    assert "report/report.html" in logged and "report/notes.txt" not in logged and \
-        "report/.raysweep-report" not in logged, logged
+    assert "report/report.html" in logged and "report/.raysweep-report" not in logged, logged
+    (out / "notes.txt").write_text("written beside the report later")
+    capsys.readouterr()
+    assert main(["report", str(spec), "--out", str(out)]) == 2  # no longer the report's alone: refused
+    assert "it holds files raysweep did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").is_file()

@@ -132,6 +132,75 @@ def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message
 
 
 # ---------------------------------------------------------------------------------------------
+# --out: the report writes only into a folder of its own (no Ray: the report reads the store alone)
+
+
+def _finished_sweep(tmp_path):
+    """A spec and its sweep in a fresh store: the parent run as `tune` opens it, ended."""
+    from raysweep import tracking
+    from test_records import _open_sweep
+
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
+    uri, _, parent, _ = _open_sweep(tmp_path, spec)
+    tracking.end_sweep(uri, parent, "FINISHED")
+    return spec
+
+
+def test_report_out_refuses_a_folder_holding_a_file_it_did_not_write_under_trials(tmp_path, capsys):
+    """Issue 28: with only trials/keep.txt in the folder, the names at its top were all the report's, and the
+    rebuild removed trials/ with the file in it."""
+    spec = _finished_sweep(tmp_path)
+    out = tmp_path / "out"
+    (out / "trials").mkdir(parents=True)
+    (out / "trials" / "keep.txt").write_text("a user's file")
+    capsys.readouterr()  # MLflow's own INFO lines from creating the store
+    assert main(["report", str(spec), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"report folder {out}: it holds files raysweep did not write (trials/keep.txt); " \
+        f"give a new or empty folder, e.g. --out {out / 'raysweep_report'}" in err[0], err
+    assert (out / "trials" / "keep.txt").read_text() == "a user's file"
+    assert sorted(p.name for p in out.rglob("*")) == ["keep.txt", "trials"]  # nothing written either
+
+
+def _report_folder(folder: Path) -> Path:
+    """A folder as `publish` leaves it: its marker, report.html, plots, trial PNGs; and the temporary file of a
+    write a kill interrupted (storage.write_bytes)."""
+    from raysweep.report import REPORT_MARKER
+
+    for name in (REPORT_MARKER, "report.html", "metric_curves.png", "trials/t1.png", "trials/t2.png",
+                 ".report.html.4242.tmp"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("raysweep's")
+    return folder
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("trials/drafts/keep.txt", "trials/drafts"),  # nested under trials/, which a rebuild removes whole
+    ("notes/2024/keep.txt", "notes"),  # a folder of its own, beside the marker: named, not entered
+    ("trials/t1.png.bak", "trials/t1.png.bak"),
+    ("keep.txt", "keep.txt"),
+])
+def test_a_report_folder_is_claimed_only_while_it_holds_nothing_but_the_reports_files(tmp_path, extra, named):
+    from raysweep.errors import UserError
+    from raysweep.report import REPORT_MARKER, claim_folder
+
+    folder = _report_folder(tmp_path / "report")
+    claim_folder(folder)  # a report raysweep wrote: rebuilt in place
+    claim_folder(tmp_path / "new")  # a new folder (and an empty one) too
+    (folder / extra).parent.mkdir(parents=True, exist_ok=True)
+    (folder / extra).write_text("a user's file")
+    with pytest.raises(UserError, match=rf"^report folder {re.escape(str(folder))}: it holds files raysweep did not "
+                                        rf"write \({re.escape(named)}\); give a new or empty folder"):
+        claim_folder(folder)
+    shutil.rmtree(folder / named) if (folder / named).is_dir() else (folder / named).unlink()
+    claim_folder(folder)
+    (folder / REPORT_MARKER).unlink()  # the report's names, but nothing says raysweep wrote them
+    with pytest.raises(UserError, match=r"did not write \(\.report\.html\.4242\.tmp, metric_curves\.png, "
+                                        r"report\.html, …\)"):
+        claim_folder(folder)
+
+
+# ---------------------------------------------------------------------------------------------
 # In a real browser
 
 

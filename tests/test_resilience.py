@@ -305,7 +305,7 @@ def test_a_run_restored_from_its_checkpoint_continues_exactly_as_the_uninterrupt
 
 
 def test_raysweeps_own_files_are_never_seen_half_written(tmp_path):
-    """storage.write_bytes (the failure marker, the probe table, the report, the compile cache's artifacts): a
+    """storage.write_bytes (checkpoints, the probe table, the report, the compile cache's artifacts): a
     reader, or a kill, between its first byte and its last finds the old file or the new, never a part."""
     from raysweep import storage
 

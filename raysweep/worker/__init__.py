@@ -11,6 +11,6 @@ to Ray, inside its functions, so the rest runs (and is tested) in a plain proces
     noise_meter.py    the gradient noise scale's measurements
     probe_step.py     the OOM probe step, agreed across ranks
     device.py         precision, compile and CUDA-graph choices per device; host memory tuning on CPU
-    compile_cache.py  Inductor's caches shared by a sweep's trials
+    compile_cache.py  Inductor's caches shared by a sweep's trials; Dynamo's, sized for a slot's trials
     faults.py         agreed failures and the test-only fault switches
 """

@@ -60,6 +60,11 @@ def resolve_graphs(setting: bool | str, device: torch.device, precision: str, wo
 def setup_device(device: torch.device) -> None:
     """Once per process. CUDA: cuDNN picks each convolution's fastest algorithm by timing them, once per shape
     (every micro-batch of a trial has the same shape, epoch_plan). CPU: keep_host_memory."""
+    # imported now, not by the first trial's optimizer (torch imports it lazily there): its import leaves a frame
+    # in a reference cycle (torch.fx.wrap keeps its own frame), which would pin the calling trial's model and
+    # optimizer until a garbage collection
+    import torch._dynamo
+
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     else:
@@ -110,6 +115,23 @@ def release_host_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def release_trial_memory(device: torch.device) -> None:
+    """After a warm group's trial is dropped (`del run`; nothing of a trial is in a reference cycle, so its tensors
+    are already freed): give back what the allocator kept for it, so that the next trial starts as on a fresh
+    group. CUDA: cuBLAS's workspaces, one per stream the trial's matmuls ran on (CUDA graph warm-ups and captures
+    run on streams of their own), then the caching allocator's free blocks, the CUDA graph's private pool among
+    them (torch.cuda.empty_cache); else the next trial's other shapes fragment around them. CPU: free heap pages
+    back to the OS (release_host_memory)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the trial's last kernels may still use blocks it freed
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private: what torch's own
+        if clear_workspaces is not None:  # CUDA leak check and CUDA graph trees call between runs
+            clear_workspaces()
+        torch.cuda.empty_cache()
+    else:
+        release_host_memory()
 
 
 def distributed() -> bool:

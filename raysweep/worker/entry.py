@@ -12,9 +12,9 @@ import torch
 
 from raysweep import storage
 from raysweep.config import TrialConfig
-from raysweep.metrics import report_dict
+from raysweep.metrics import EAGER_FALLBACK, report_dict
 from raysweep.worker import compile_cache
-from raysweep.worker.device import release_host_memory, setup_device
+from raysweep.worker.device import release_trial_memory, setup_device
 from raysweep.worker.faults import FAULTS, TrialFailure
 from raysweep.worker.reduce import agree, broadcast_object, gather_strings
 from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS, TrainingRun
@@ -80,6 +80,8 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
         epoch = start_epoch
         while epoch <= run.epochs:  # run.epochs: under a time budget, fixed by the end of warmup (resolve_epochs)
             payload = report_dict(run.epoch(epoch), run.worker_params())
+            if run.net.eager_fallback:  # Dynamo refused a compile (a recompile limit): the driver warns and tags
+                payload[EAGER_FALLBACK] = 1
             trained = True
             if not send(payload, epoch) or run.stops_at_target:
                 break
@@ -177,11 +179,13 @@ def slot_worker(config: dict) -> None:
                                         on_probed=lambda: stamps.update(probed=time.time()), proven=proven)
         if trained:
             proven = max(proven, run.micro_batch)
-        del run, send
-        if device.type == "cpu":
-            release_host_memory()
-        if rank == 0:  # the failure as data: its kind reaches Tune and MLflow as it is (failures.py)
-            ask(broker.finish.remote(seq, failure.as_dict() if failure is not None else None))
+        # the failure as data (its kind reaches Tune and MLflow as it is, failures.py); the exception itself goes:
+        # its traceback holds train_epochs' frame, and with it the run
+        outcome = failure.as_dict() if failure is not None else None
+        del run, send, failure
+        release_trial_memory(device)  # the next trial starts as on a fresh group (no cycle keeps this one's model)
+        if rank == 0:
+            ask(broker.finish.remote(seq, outcome))
 
 
 # raysweep's own checkpoints of a trial on a warm group, in the trial's folder: checkpoint_<epoch>/state.pt, the

@@ -46,11 +46,17 @@ class TrainSums:
 
 
 class TrainStep:
-    """One optimizer step of one rank at a fixed micro-batch size and accumulation, eager or a CUDA graph."""
+    """One optimizer step of one rank at a fixed micro-batch size and accumulation, eager or a CUDA graph.
+
+    It holds the parts of `net` it runs (model, optimizer, scaler, compile clock), never `net` itself: `net` holds
+    the step (RankModel.train_step), and a back-reference would make a cycle that keeps a finished trial's model,
+    optimizer and graph alive until the garbage collector happens to run."""
 
     def __init__(self, net: RankModel, shard: Shard, trial: TrialConfig, micro_batch: int):
         device = net.device
-        self.net, self.shard, self.micro_batch = net, shard, micro_batch
+        self.model, self.optimizer, self.scaler, self.clock = net.model, net.optimizer, net.scaler, net.clock
+        self.device, self.precision = device, net.precision
+        self.shard, self.micro_batch = shard, micro_batch
         self.accum = trial.accumulation_steps
         self.max_norm = trial.train.grad_clip if trial.train.grad_clip is not None else math.inf
         self.params = [p for p in net.model.parameters() if p.requires_grad]
@@ -109,11 +115,10 @@ class TrainStep:
     def gradients(self, idx: torch.Tensor, measure: bool = False) -> None:
         """Forward and backward over the step's micro-batches, clip; the step's figures into the epoch's sums.
         `measure`: the noise meter measures this step."""
-        net, accum = self.net, self.accum
+        accum, model, scaler, device = self.accum, self.model, self.scaler, self.device
         noise = self.noise if measure else None
-        model, scaler = net.model, net.scaler
         fp16 = scaler.is_enabled()
-        step_loss = torch.zeros((), device=net.device) if fp16 else None
+        step_loss = torch.zeros((), device=device) if fp16 else None
         for micro in range(accum):
             x, y = self.shard.batch(idx[micro])
             # DDP all-reduces gradients in backward; skip it on all but the last micro-step
@@ -121,7 +126,7 @@ class TrainStep:
             if noise is not None:
                 noise.before_backward(self.params, micro, accum)
             with contextlib.nullcontext() if sync else model.no_sync():
-                with autocast(net.device, net.precision):
+                with autocast(device, self.precision):
                     logits = model(x)
                 loss = LOSS_FN(logits.float(), y)
                 if self.fault is not None:
@@ -134,7 +139,7 @@ class TrainStep:
                 step_loss += loss.detach()
         if noise is not None and noise.needs_half(accum):
             self.measure_half(x, y)
-        scaler.unscale_(net.optimizer)  # clip and log the true norm, not the fp16-scaled one
+        scaler.unscale_(self.optimizer)  # clip and log the true norm, not the fp16-scaled one
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         if noise is not None:  # the scale the gradients were multiplied by, read on the device (no sync)
             noise.step_done(norm, 1.0 / scaler._get_scale_async().double() if fp16 else 1.0)
@@ -155,17 +160,17 @@ class TrainStep:
         """One rank, one micro-batch: the gradient of the micro-batch's first half alone, for the noise meter, out of
         the step's way: the step's gradient is stashed and put back, BatchNorm's running statistics and the RNG
         (dropout) are as they were, so the step trains exactly as an unmeasured one."""
-        net, model = self.net, self.net.model
+        model, device = self.model, self.device
         half = x.shape[0] // 2
         grads = [p.grad for p in self.params]
         buffers = [b.clone() for b in model.buffers()]
         for p in self.params:
             p.grad = None
-        cuda = net.device.type == "cuda"  # the CPU generator is always forked; a GPU's only when named
-        with torch.random.fork_rng(devices=[net.device] if cuda else [], device_type="cuda" if cuda else None):
-            with autocast(net.device, net.precision):
+        cuda = device.type == "cuda"  # the CPU generator is always forked; a GPU's only when named
+        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else None):
+            with autocast(device, self.precision):
                 logits = model(x[:half])
-            net.scaler.scale(LOSS_FN(logits.float(), y[:half])).backward()
+            self.scaler.scale(LOSS_FN(logits.float(), y[:half])).backward()
         self.noise.add_half([p.grad for p in self.params if p.grad is not None])
         for p, g in zip(self.params, grads):
             p.grad = g
@@ -174,19 +179,19 @@ class TrainStep:
                 b.copy_(saved)
 
     def update(self) -> None:
-        scaler, optimizer = self.net.scaler, self.net.optimizer
+        scaler, optimizer = self.scaler, self.optimizer
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
     def _warm_up(self, measure: bool) -> None:
         """An eager step on a side stream, as capturing requires: it allocates what the graph will not."""
-        stream = torch.cuda.Stream(self.net.device)
-        stream.wait_stream(torch.cuda.current_stream(self.net.device))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self.gradients(self.idx, measure)
             self.update()
-        torch.cuda.current_stream(self.net.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         self.eager_steps += 1
 
     def _capture(self) -> None:
@@ -198,8 +203,8 @@ class TrainStep:
                 self.update()
             return graph
 
-        self.graph = self.net.count_compile(capture)
-        self.graph_peak_bytes = torch.cuda.max_memory_allocated(self.net.device)
+        self.graph = self.clock.time(capture)
+        self.graph_peak_bytes = torch.cuda.max_memory_allocated(self.device)
 
     def sums(self, samples: int, steps: int) -> TrainSums:
         """The epoch's sums, copied out of the buffers the next epoch overwrites."""
@@ -237,6 +242,7 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
             train_step(batches, scheduler.last_epoch + 1, watch, epoch)
         scheduler.step()
     watch.finish(epoch)
+    net.check_compiled()  # a shape first met after step 0 (the noise meter's half batch) compiles inside the epoch
     return train_step.sums(num_batches * micro_batch, trial.steps_per_epoch)
 
 
