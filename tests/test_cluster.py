@@ -118,14 +118,15 @@ def test_the_sweeps_compile_cache_is_a_folder_on_a_path_and_artifacts_on_s3(s3_b
 
 
 @pytest.mark.ray
-def test_s3_storage_holds_checkpoints_the_failure_marker_and_the_probe_table(ray_cluster, tmp_path, monkeypatch,
-                                                                             s3_bucket, capsys):
+def test_s3_storage_holds_checkpoints_and_the_probe_table_and_a_failure_travels_as_data(ray_cluster, tmp_path,
+                                                                                       monkeypatch, s3_bucket, capsys):
     from mlflow.tracking import MlflowClient
 
     uri, client = s3_bucket
     spec = write_spec(tmp_path, tiny_spec(tmp_path, storage_path=uri, train={"epochs": 2, "reference_batch_size": 64}))
 
-    # a trial that diverges at its 8th optimizer step (epoch 2): the agreed failure travels through S3
+    # a trial that diverges at its 8th optimizer step (epoch 2): the agreed failure travels as data (through the
+    # broker to Tune and MLflow), its checkpoint through S3
     monkeypatch.setenv("RAYSWEEP_TEST_NAN_AT_STEP", "8")
     assert main(["train", str(spec)]) == 1
     monkeypatch.delenv("RAYSWEEP_TEST_NAN_AT_STEP")
@@ -134,7 +135,7 @@ def test_s3_storage_holds_checkpoints_the_failure_marker_and_the_probe_table(ray
               if "mlflow.parentRunId" in r.data.tags]
     assert run.info.status == "FAILED" and run.data.tags["failure"] == "diverged"
     keys = _keys(client)
-    assert any(k.startswith("runs/t-train/train/trial-") and k.endswith("/raysweep_failure.json") for k in keys)
+    assert not any(k.endswith("/raysweep_failure.json") for k in keys)  # no marker file: failures.py
     assert any(k.startswith("runs/t-train/train/trial-") and k.endswith("/state.pt") for k in keys)  # epoch 1
     assert any(k.startswith("runs/t-train/experiment_state") for k in keys)  # Tune's own state, same storage
 

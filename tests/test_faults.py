@@ -303,3 +303,59 @@ def test_a_tracking_server_killed_and_back_a_minute_later_costs_the_sweep_nothin
     for run in children:
         for name in ("val_loss", "train_loss", "epoch"):
             assert [m.step for m in reader.get_metric_history(run.info.run_id, name)] == [1, 2, 3, 4], name
+        # the slot waited for the store (mlflow.retry_s), it did not give the attempt up and start again
+        assert "raysweep.infra_retries" not in run.data.tags
+
+
+def _sweep_seconds(log: str) -> float:
+    """A sweep's wall time, from its summary line (`sweep: 3 trials in 48s: …`)."""
+    import re
+
+    return float(re.search(r"sweep: \d+ trials in (\d+)s", log).group(1))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_two_sweeps_started_together_on_one_cluster_both_finish_every_trial(ray_cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    # two drivers joining the session's 2-CPU cluster 2 s apart, each sweep longer than a worker group's start-up
+    # wait (2 × 15 s): before, the second one's group timed out while the first held every CPU
+    address = ray_cluster.get_runtime_context().gcs_address
+    drivers = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        spec = tiny_spec(folder, name=name, scaling={"worker_start_timeout_s": 15},
+                         data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
+                         search={"per_gpu_batch_size": 16, "base_lr": {"loguniform": [1.0e-3, 3.0e-3]},
+                                 "warmup_epochs": 1, "weight_decay": 1.0e-4},
+                         train={"epochs": 5, "reference_batch_size": 64},
+                         tune={"num_samples": 3, "asha": {"grace_period": 5, "max_t": 5}})
+        log = open(folder / "driver.log", "w")
+        drivers.append((folder, subprocess.Popen(
+            [sys.executable, "-m", "raysweep", "tune", str(write_spec(folder, spec)), "--address", address],
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token"}, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)))
+        time.sleep(2)
+    try:
+        codes = [proc.wait(timeout=480) for _, proc in drivers]
+    finally:
+        for _, proc in drivers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    logs = {folder.name: (folder / "driver.log").read_text() for folder, _ in drivers}
+    assert codes == [0, 0], {k: v[-2500:] for k, v in logs.items()}
+    for folder, _ in drivers:
+        client = _client(folder)
+        runs = client.search_runs([client.get_experiment_by_name(folder.name).experiment_id])
+        children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+        assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children), logs[folder.name][-2500:]
+    # each sweep held the cluster's CPUs longer than the other's group may wait to start (2 × 15 s): the one that
+    # lost the race for them waited (its slot for free resources, or its trial's next attempt, failure: infra)
+    walls = [_sweep_seconds(log) for log in logs.values()]
+    assert min(walls) > 2 * 15, walls

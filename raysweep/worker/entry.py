@@ -164,7 +164,7 @@ def slot_worker(config: dict) -> None:
             if rank == 0:
                 # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
                 # at once (MLflow wrote the last epoch while this one trained)
-                if due and not ask(broker.recorded_through.remote(seq, epoch - 1), store_wait_s):
+                if due and not ask(broker.recorded_through.remote(seq, epoch - 1, store_wait_s), store_wait_s):
                     go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
                 else:
                     if due:
