@@ -195,7 +195,7 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=24)
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between worker kills")
     p.add_argument("--driver-kills", type=int, default=2)
-    p.add_argument("--host-kill-every", type=float, default=90.0, help="seconds between slot host kills")
+    p.add_argument("--host-kill-every", type=float, default=45.0, help="seconds between slot host kills")
     p.add_argument("--broker-kills", type=int, default=1)
     p.add_argument("--store-restarts", type=int, default=1)
     p.add_argument("--store-outage", type=float, default=65.0, help="seconds the tracking server stays down")
@@ -203,7 +203,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     a = p.parse_args()
     if a.quick:
-        a.trials, a.driver_kills, a.host_kill_every = 6, 1, 60.0
+        a.trials, a.driver_kills, a.host_kill_every = 6, 1, 30.0
     rng = random.Random(a.seed)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token"}
 
@@ -221,6 +221,7 @@ def main() -> int:
         store_down_after = [round(a.trials * (i + 0.5) / (a.store_restarts + 1)) for i in range(a.store_restarts)]
         t_start = time.monotonic()
         exits = []  # the drivers that ended on a broker kill: 1 each
+        next_host_kill = time.monotonic() + a.host_kill_every  # across drivers: each segment may be shorter
         while True:
             resume = drivers > 0
             log = open(Path(tmp) / f"driver-{drivers}.log", "w")
@@ -230,7 +231,6 @@ def main() -> int:
             drivers += 1
             t_driver, logged_at_start = time.monotonic(), store.logged_count()
             next_kill = time.monotonic() + a.kill_every
-            next_host_kill = time.monotonic() + a.host_kill_every
             pending_restart = None  # (run id, epochs logged, kill time)
             killed_driver = False
             while driver.poll() is None:

@@ -99,6 +99,7 @@ class Slot:
     setup_failures: int = 0  # set-ups failed in a row
     ended: str | None = None  # why the broker ended it (its fit() is cancelled: the host and controller killed)
     fit: asyncio.Future | None = None  # the launch (its fit()), cancelled to end the slot
+    placement: object = None  # its group's Ray placement group, as rank 0 last reported it (removed when it ends)
     idle_since: float = field(default_factory=time.monotonic)  # when it last finished a trial (tune.keep_warm_s)
 
 
@@ -274,6 +275,12 @@ class Broker:
             self._finish(a, failure)
             await self._changed()
 
+    async def group_placement(self, slot_id: int, placement) -> None:
+        """The placement group the slot's (re)started group runs in: when the slot ends, the broker removes it."""
+        slot = self.slots.get(slot_id)
+        if slot is not None:
+            slot.placement = placement
+
     async def group_error(self, slot_id: int, text: str, kind: str = ERROR) -> None:
         """What the slot's workers raised (Ray Train's controller saw it; it restarts the group next). `kind`: oom
         where a rank ran out of memory. Before the group's rank 0 asked for work it is a set-up failure: past
@@ -401,6 +408,7 @@ class Broker:
                 raise
         except Exception as e:  # its group could not start (or restart), its host or controller was lost
             error = f"{type(e).__name__}: {e}"
+        await self._release(slot)
         if slot.ended is not None:
             error = slot.ended
         if error and (slot.ended or not slot.retiring):
@@ -415,6 +423,9 @@ class Broker:
                     failure += f"; the workers' last error: {slot.current.last_error}"
             self._finish(slot.current, failure={"kind": INFRA, "message": failure})
         await self._changed()
+
+    async def _release(self, slot: Slot) -> None:
+        """What a slot that ended may have left holding resources (on Ray: its group's placement group)."""
 
     async def _changed(self) -> None:
         self._place()
@@ -596,6 +607,20 @@ def _actor_classes():
                 await host.run.remote(self.plan, slot_id, trial, me)
             finally:
                 ray.kill(host)
+
+        async def _release(self, slot: Slot) -> None:
+            """Remove the group's placement group: a controller that dies with its host (SIGKILL, the OOM killer)
+            leaves it holding the group's CPUs and GPUs, and Train V2's PlacementGroupCleaner, which polls the
+            State API, was seen to leave it for minutes (the soak's next slot then waited for resources forever).
+            One its controller already removed (a slot that retired) is gone: nothing to do."""
+            from ray.util.placement_group import remove_placement_group
+
+            if slot.placement is None:
+                return
+            try:
+                remove_placement_group(slot.placement)
+            except Exception as e:  # already removed
+                log.debug("slot %d: placement group: %s", slot.slot_id, e)
 
     return BrokerActor, SlotHost
 

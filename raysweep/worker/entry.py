@@ -118,6 +118,10 @@ def slot_worker(config: dict) -> None:
     compile_cache.load_artifacts(config.get("compile_cache"))
     data = ray.get(config["data"])  # zero-copy from the node's object store
     nodes = gather_strings(ray.get_runtime_context().get_node_id())
+    if rank == 0:  # the group's placement group: a slot whose host is lost has it removed (Broker.group_placement)
+        from ray.util import get_current_placement_group
+
+        broker.group_placement.remote(slot, get_current_placement_group())
     decision_wait_s = config["decision_wait_s"]  # slots.DECISION_WAIT_S
     store_wait_s = config["store_wait_s"]  # mlflow.retry_s: how long the store may blink
 
