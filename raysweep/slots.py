@@ -597,10 +597,14 @@ def _actor_classes():
         def __init__(self, capacity: int, plan: SlotPlan):
             super().__init__(capacity, self._launch, plan.keep_warm_s)
             self.plan = plan
+            self.placed_before: dict[int, set[str]] = {}  # slot id → placement groups there before its launch
 
         async def _launch(self, slot_id: int, trial: dict) -> None:
+            from ray.util.placement_group import placement_group_table
+
             me = ray.get_runtime_context().current_actor
             await wait_for_resources(group_resources(trial["scaling"]), f"slot {slot_id}")
+            self.placed_before[slot_id] = set(placement_group_table())  # what this slot's groups did not place
             host = SlotHost.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False)).remote()
             try:
@@ -609,18 +613,40 @@ def _actor_classes():
                 ray.kill(host)
 
         async def _release(self, slot: Slot) -> None:
-            """Remove the group's placement group: a controller that dies with its host (SIGKILL, the OOM killer)
-            leaves it holding the group's CPUs and GPUs, and Train V2's PlacementGroupCleaner, which polls the
-            State API, was seen to leave it for minutes (the soak's next slot then waited for resources forever).
-            One its controller already removed (a slot that retired) is gone: nothing to do."""
-            from ray.util.placement_group import remove_placement_group
+            """Remove what the slot's groups left placed. A controller that dies with its host (SIGKILL, the OOM
+            killer) leaves its group's placement group holding the group's CPUs and GPUs; Train V2's
+            PlacementGroupCleaner removes only the one its controller last registered, and a host killed while
+            the controller restarted the group (a new placement group, not yet registered, not yet reported by
+            the new group's rank 0) left one holding both CPUs here for good: the soak's next slot waited for
+            resources forever. So: the one rank 0 reported, and every placement group of this job created since
+            the slot launched that no other slot of this broker reported and whose bundles are a worker group's
+            (CPUs, no trial_driver: never a Tune trial's, whose removal kills the trial's actor). A group that
+            retired removed its own: nothing is left then."""
+            from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+            from ray.util.state import list_placement_groups
 
-            if slot.placement is None:
-                return
+            from raysweep.cluster import TRIAL_DRIVER
+
+            ours = {slot.placement.id.hex()} if slot.placement is not None else set()
+            others = {s.placement.id.hex() for s in self.slots.values() if s is not slot and s.placement is not None}
             try:
-                remove_placement_group(slot.placement)
-            except Exception as e:  # already removed
-                log.debug("slot %d: placement group: %s", slot.slot_id, e)
+                job = ray.get_runtime_context().get_job_id()
+                table = placement_group_table()  # {id: {"bundles": {index: {resource: amount}}, ...}}
+                before = self.placed_before.get(slot.slot_id, set())
+                for pg in list_placement_groups(filters=[("state", "=", "CREATED")], limit=10_000,
+                                                raise_on_missing_output=False):
+                    pg_id = pg.placement_group_id
+                    bundles = list(table.get(pg_id, {}).get("bundles", {}).values())
+                    workers = bool(bundles) and all("CPU" in b and TRIAL_DRIVER not in b for b in bundles)
+                    if pg.creator_job_id == job and pg_id not in before and pg_id not in others and workers:
+                        ours.add(pg_id)
+            except Exception as e:  # no State API: the reported one alone
+                log.debug("slot %d: listing placement groups: %s", slot.slot_id, e)
+            for pg_id in ours:
+                try:
+                    remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                except Exception as e:  # already removed
+                    log.debug("slot %d: placement group %s: %s", slot.slot_id, pg_id, e)
 
     return BrokerActor, SlotHost
 

@@ -14,6 +14,17 @@ from raysweep.cli import main
 from test_resilience import _assert_twins, _children, _client, _final_weights, _losses, _steps, _wait_for
 
 
+def _processes(title: str):
+    """This machine's processes whose title starts with `title` (Ray titles an actor's process ray::Class.method)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if " ".join(p.info["cmdline"] or []).startswith(title):
+            found.append(p)
+    return found
+
+
 def _actors(class_name):
     """This cluster's live actors of a class (the State API names a class made in a function by its qualified name,
     `_actor_classes.<locals>.SlotHost`)."""
@@ -87,9 +98,9 @@ def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_t
     killed = []
 
     def kill_the_slot_host():
-        host = _wait_for(lambda: _actors("SlotHost"), 120, "the slot host")[0]  # the State API takes seconds here
         _wait_for(lambda: (runs := _children(tmp_path)) and len(_steps(tmp_path, runs[0])) >= 1, 240, "epoch 1")
-        os.kill(host.pid, signal.SIGKILL)
+        host = _wait_for(lambda: _processes("ray::SlotHost"), 30, "the slot host's process")[0]
+        host.kill()  # SIGKILL
         killed.append(host.pid)
 
     thread = threading.Thread(target=kill_the_slot_host, daemon=True)
