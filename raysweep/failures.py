@@ -43,16 +43,21 @@ class TrialFailure(Exception):
         return cls(d["kind"], d["message"])
 
 
+def find_cause(error: BaseException | None, kind: type) -> BaseException | None:
+    """`error` or the first exception it wraps that is a `kind`: down Ray's `cause` (a RayTaskError keeps what the
+    task raised) and Python's __cause__ / __context__ (Tune re-raises what a callback raised). None: none is."""
+    for _ in range(10):
+        if error is None or isinstance(error, kind):
+            return error
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+    return None
+
+
 def kind_of(error: BaseException | None) -> str:
     """The failure kind of an exception Tune kept for a trial (its pickled error: a RayTaskError whose cause is a
     TrialFailure, or the TrialFailure itself); any other exception is the trial's own `error`."""
-    for _ in range(10):
-        if error is None:
-            break
-        if isinstance(error, TrialFailure):
-            return error.kind
-        error = getattr(error, "cause", None) or error.__cause__
-    return ERROR
+    failure = find_cause(error, TrialFailure)
+    return failure.kind if failure is not None else ERROR
 
 
 def settled(status: str, tags: dict) -> dict | None | bool:

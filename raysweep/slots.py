@@ -42,7 +42,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from raysweep.failures import ERROR, INFRA, OOM
+from raysweep.failures import ERROR, INFRA, OOM, find_cause
 
 log = logging.getLogger(__name__)
 
@@ -660,21 +660,10 @@ def _error_forwarder(broker, slot_id: int):
     class ErrorForwarder(ray.train.UserCallback):
         def after_exception(self, run_context, worker_exceptions):
             text = "\n".join(f"rank {rank}: {e}" for rank, e in sorted(worker_exceptions.items()))
-            oom = any(_caused_by(e, torch.OutOfMemoryError) for e in worker_exceptions.values())
+            oom = any(find_cause(e, torch.OutOfMemoryError) for e in worker_exceptions.values())
             broker.group_error.remote(slot_id, text, OOM if oom else ERROR)
 
     return ErrorForwarder()
-
-
-def _caused_by(error: BaseException, kind: type) -> bool:
-    """Whether `error` or what it wraps (Ray's RayTaskError keeps the worker's exception as `cause`) is a `kind`."""
-    for _ in range(10):
-        if error is None:
-            return False
-        if isinstance(error, kind):
-            return True
-        error = getattr(error, "cause", None) or error.__cause__
-    return False
 
 
 def group_resources(scaling: dict) -> dict[str, float]:

@@ -16,6 +16,7 @@ from typing import Any
 from raysweep import storage
 from raysweep.config import Choice, LogUniform, RandInt, SweepConfig, Uniform, spec_yaml
 from raysweep.errors import SweepFailed, UserError
+from raysweep.failures import find_cause
 from raysweep.metrics import TrialView
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
                 results = _tuner(config, context, plan, single, resume, experiment_path, storage_root, name,
                                  callbacks, scheduler, (tracking_uri, parent_run_id)).fit()
             except Exception as e:  # Tune may wrap what a callback raised: the broker lost is the cause to show
-                lost = _in_chain(e, BrokerLost)
+                lost = find_cause(e, BrokerLost)
                 if lost is not None and lost is not e:
                     raise lost from e
                 raise
@@ -323,14 +324,6 @@ def run(config: SweepConfig, *, single: bool = False, address: str | None = None
             import ray
 
             ray.shutdown()
-
-
-def _in_chain(e: BaseException, kind: type) -> BaseException | None:
-    for _ in range(10):
-        if e is None or isinstance(e, kind):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def busy_share(busy_s: float, wall_s: float, slots: int) -> float:
