@@ -31,7 +31,8 @@ CHILD = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
 import numpy as np, torch
-sys.path.insert(0, os.environ["RAYSWEEP_ROOT"]); sys.path.insert(0, os.path.join(os.environ["RAYSWEEP_ROOT"], "benchmarks"))
+sys.path.insert(0, os.environ["RAYSWEEP_ROOT"])
+sys.path.insert(0, os.path.join(os.environ["RAYSWEEP_ROOT"], "benchmarks"))
 from gpu_throughput import one_gpu_trial
 from raysweep.data import CaptchaArrays, CaptchaData
 from raysweep.worker import compile_cache
@@ -55,7 +56,8 @@ for batch in args["batches"]:
     run = TrainingRun.build(trial, CaptchaData(arrays(batch * 4), arrays(batch), "random"), 0, 1, device, path="plain")
     run.fit_in_memory()
     run.epoch(1)
-    out["trials"].append({"batch": batch, "compile_s": run.net.compile_s, "startup_and_epoch_s": time.perf_counter() - t})
+    out["trials"].append({"batch": batch, "compile_s": run.net.compile_s,
+                          "startup_and_epoch_s": time.perf_counter() - t})
 if args.get("save"):
     out["artifacts_saved"] = compile_cache.save_artifacts(args["save"])
 from torch._dynamo.utils import counters
@@ -98,7 +100,8 @@ def main() -> int:
     artifacts = f"file://{work / 'artifacts'}"
     (work / "artifacts").mkdir()
     print(f"compile_cache on {torch.cuda.get_device_name(0) if cuda else 'CPU'}, torch {torch.__version__}: "
-          f"batches {args['batches']} {args['precision']} {args['width']}×{args['height']}, fresh processes", flush=True)
+          f"batches {args['batches']} {args['precision']} {args['width']}×{args['height']}, fresh processes",
+          flush=True)
     results = []
     for i in range(a.trials):
         r = child({**args, "save": artifacts if i == 0 else None}, str(work / "sweep_cache"))

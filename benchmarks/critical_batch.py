@@ -65,8 +65,8 @@ def train_to_target(config, data, batch: int, target: float, max_samples: int, e
     device = torch.device("cpu")
     keep_host_memory(device)
     chunk = max(batch, eval_every)  # samples between evaluations: whole steps
-    knobs = config.default_knobs()
-    trial = config.trial({**knobs, "per_gpu_batch_size": batch // 2, "grad_accum_steps": 2,
+    knobs = config.trials.default_knobs()
+    trial = config.trials.trial({**knobs, "per_gpu_batch_size": batch // 2, "grad_accum_steps": 2,
                           "base_lr": knobs["base_lr"] * lr_factor}, chunk)
     assert trial.global_batch_size == batch and trial.steps_per_epoch == chunk // batch
     net = RankModel.build(trial, device)  # same seed → the same initial weights for every batch size
@@ -135,7 +135,8 @@ def main() -> int:
     batches = [int(b) for b in a.batches.split(",")]
     print(f"critical batch: {config.name} spec, {len(data.train.labels)} synthetic images "
           f"{config.data.width}×{config.data.height}, lr_rule {config.train.lr_rule} from base_lr "
-          f"{config.default_knobs()['base_lr']:.2e} at {config.train.reference_batch_size}, target loss {a.target} "
+          f"{config.trials.default_knobs()['base_lr']:.2e} at {config.train.reference_batch_size}, "
+          f"target loss {a.target} "
           f"(fixed 512-image training slice, eval mode), {torch.get_num_threads()} threads", flush=True)
     factors = [float(f) for f in a.lr_factors.split(",")]
     runs = []
@@ -160,7 +161,8 @@ def main() -> int:
         return 1
     e_min = base.samples / (1 + base.batch / noise)
     s_min = e_min / noise
-    print(f"\nB_noise {noise:,.0f} (smallest batch, up to the target); E_min {e_min:,.0f} samples, S_min {s_min:,.1f} steps")
+    print(f"\nB_noise {noise:,.0f} (smallest batch, up to the target); E_min {e_min:,.0f} samples, "
+          f"S_min {s_min:,.1f} steps")
     print(f"{'global_batch':>12s} {'samples':>9s} {'predicted':>9s} {'ratio':>6s} {'steps':>8s} {'predicted':>9s} "
           f"{'ratio':>6s} {'B_noise':>8s}")
     ratio = float("nan")

@@ -23,7 +23,8 @@ log = open(tmp / "driver.log", "w")
 t0 = time.monotonic()
 driver = subprocess.Popen([sys.executable, "-m", "raysweep", "tune", str(spec)], cwd=ROOT, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-from mlflow.tracking import MlflowClient
+from mlflow.tracking import MlflowClient  # noqa: E402  (imported while the driver starts)
+
 uri = f"sqlite:///{tmp / 'mlflow.db'}"
 
 

@@ -24,10 +24,11 @@ MARGIN = 0.1  # the probe command's default: recommend a batch whose reserved pe
 def probe_precision(device, precision: str, start: int, max_batch: int, height: int, width: int) -> dict:
     import torch
 
-    from gpu_throughput import one_gpu_trial
     from raysweep.probe import largest_fitting
     from raysweep.worker.net import RankModel
     from raysweep.worker.probe_step import probe_step
+
+    from gpu_throughput import one_gpu_trial
 
     trial = one_gpu_trial(1, precision, height, width, train_size=1)
     net = RankModel.build(trial, device, measure_noise=False, compile=False)  # eager, as the probe command
@@ -92,8 +93,8 @@ def main() -> int:
             if "error" in r:
                 print(f"      {r['batch']:7d} {'no':>5s}  error: {r['error']}")
             elif r["fits"]:
-                print(f"      {r['batch']:7d} {'yes':>5s} {r['alloc_gib']:9.2f} {r['reserved_gib']:8.2f} {r['step_s']:7.3f} "
-                      f"{r['batch'] / max(r['step_s'], 1e-9):10,.0f}")
+                print(f"      {r['batch']:7d} {'yes':>5s} {r['alloc_gib']:9.2f} {r['reserved_gib']:8.2f} "
+                      f"{r['step_s']:7.3f} {r['batch'] / max(r['step_s'], 1e-9):10,.0f}")
             else:
                 print(f"      {r['batch']:7d} {'OOM':>5s}")
         per_image = (f"{1024 * res['gib_per_image']:.2f} MiB per image (+ {res['fixed_gib']:.2f} GiB model, gradients, "

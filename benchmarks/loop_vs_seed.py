@@ -1,7 +1,7 @@
 """raysweep's training step against the seeds' loop, side by side, on the same model, PNGs and batch size.
 
 Seed: a Dataset opening each PNG with PIL per sample, a DataLoader (num_workers 0 and 2), fp32, the
-plain nn.Sequential model with nn.Dropout, `.item()` every step (benchmarks/seed_loop.py).
+plain nn.Sequential model with nn.Dropout, `.item()` every step (tests/seed_loop.py).
 raysweep: images decoded once into uint8 arrays, batches sliced from them, channels_last, cheap fused
 dropout, fused AdamW, no per-step sync, and the host-memory setup of a raysweep CPU worker
 (huge pages, large blocks kept in the heap: raysweep/worker/device.py, worker_env and keep_host_memory).
@@ -13,8 +13,8 @@ configurations alternate within each repetition, and the table shows medians of 
 images/s: each measurement first runs 3 warm-up steps (1 with --quick), untimed. raysweep's CPU
 worker keeps freed activations in its heap (keep_host_memory), which takes ~3 steps to reach its
 size: steps 1-3 ran 112, 88, 152 images/s at batch 512, then 142-161; the seed's loop has no
-such ramp (it maps and unmaps its activations every step). Last line: RESULT loop_vs_seed ratio=<raysweep ÷ best seed at the
-largest batch>.
+such ramp (it maps and unmaps its activations every step). Last line: RESULT loop_vs_seed
+ratio=<raysweep ÷ best seed at the largest batch>.
 
     python benchmarks/loop_vs_seed.py            # batch 64 and 512, 160×60, 3 repetitions
     python benchmarks/loop_vs_seed.py --quick    # seconds: tiny images, for CI
@@ -41,7 +41,7 @@ CHARSET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 def measure_seed(folder: str, batch: int, steps: int, num_workers: int, height: int, width: int, warmup: int) -> float:
     import torch
 
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / "tests"))  # the seeds' loop is the tests' reference too
     from seed_loop import PngCaptchas, seed_model, train_steps
 
     torch.manual_seed(0)
@@ -60,8 +60,8 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
 
     from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
     from raysweep.data import CaptchaArrays, read_folder
-    from raysweep.optim import build_optimizer, build_scheduler
     from raysweep.model import build_model
+    from raysweep.optim import build_optimizer, build_scheduler
     from raysweep.worker.device import keep_host_memory
     from raysweep.worker.net import RankModel
     from raysweep.worker.shard import Shard
@@ -168,9 +168,10 @@ def main() -> int:
         for rep in range(repeats):
             for kind, b, nw in configs:  # alternate within each repetition
                 extra = ["--profile"] if (a.profile and kind == "raysweep" and rep == 0 and b == max(batches)) else []
-                rates[(kind, b, nw)].append(run_child([kind, tmp, str(b), str(batches[b]), str(nw), str(height), str(width), str(warmup), *extra]))
-                print(f"  rep {rep + 1}/{repeats} {kind:13s} batch {b:4d} workers {nw}: {rates[(kind, b, nw)][-1]:8.1f} images/s",
-                      file=sys.stderr, flush=True)
+                numbers = [b, batches[b], nw, height, width, warmup]
+                rates[(kind, b, nw)].append(run_child([kind, tmp, *map(str, numbers), *extra]))
+                print(f"  rep {rep + 1}/{repeats} {kind:13s} batch {b:4d} workers {nw}: "
+                      f"{rates[(kind, b, nw)][-1]:8.1f} images/s", file=sys.stderr, flush=True)
     print(f"loop_vs_seed on {machine()}; images {width}×{height}, medians of {repeats} alternating repetitions, "
           f"{warmup} warm-up steps each")
     print(f"{'loop':13s} {'batch':>6s} {'loader workers':>15s} {'images/s':>10s} {'vs best seed':>13s}")

@@ -123,8 +123,8 @@ def main() -> int:
     for name, r in (("DDP, 2 gloo ranks (comm hook)", ddp), ("1 rank, 2 micro-batches per step", one),
                     ("1 rank, 1 micro-batch (a half, 1 step in 4)", half)):
         print(f"{name:<44s} {r['without']:14.4f} {r['with']:12.4f} {r['with'] / r['without']:7.3f}")
-    print(f"the hook's own work alone (one squared norm over {ddp['params'] / 1e6:.1f} M gradients, one rank's thread): "
-          f"{ddp['norm'] * 1e3:.2f} ms = {ddp['norm'] / ddp['without']:.2%} of the DDP step")
+    print(f"the hook's own work alone (one squared norm over {ddp['params'] / 1e6:.1f} M gradients, "
+          f"one rank's thread): {ddp['norm'] * 1e3:.2f} ms = {ddp['norm'] / ddp['without']:.2%} of the DDP step")
     print(f"RESULT noise_hook_cost ratio={ddp['with'] / ddp['without']:.3f}")
     return 0
 

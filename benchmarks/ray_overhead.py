@@ -40,7 +40,8 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # raysweep, and the tests' one-trial worker (tests/one_trial.py)
 
 
 def spec(train_size: int, epochs: int, tmp: Path, cpus_per_worker: int = 2):
@@ -70,7 +71,7 @@ def bare(config, data) -> list[float]:
 
     keep_host_memory(torch.device("cpu"))  # as the worker does
     torch.set_num_threads(int(config.scaling.cpus_per_worker))  # what Ray gives the worker (OMP_NUM_THREADS)
-    trial = config.trial(config.default_knobs(), len(data.train))
+    trial = config.trials.trial(config.trials.default_knobs(), len(data.train))
     run = TrainingRun.build(trial, data, 0, 1, torch.device("cpu"))
     times = []
     for epoch in range(1, trial.train.epochs + 1):
@@ -93,8 +94,10 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[lis
                 f.write(json.dumps({"t": time.time(), "epoch_time_s": metrics[0]["epoch_time_s"]}) + "\n")
 
     log.unlink(missing_ok=True)
-    trial = config.trial(config.default_knobs(), train_size)
-    trainer = make_trainer(trial, data_ref, str(config.storage_path), name, [Stamp()])
+    trial = config.trials.trial(config.trials.default_knobs(), train_size)
+    from one_trial import one_trial_worker
+
+    trainer = make_trainer(trial, data_ref, str(config.storage_path), name, [Stamp()], worker_fn=one_trial_worker)
     t_fit = time.time()
     trainer.fit()
     stamps = [json.loads(line) for line in log.read_text().splitlines()]
@@ -113,7 +116,6 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     import threading
 
     import psutil
-
     from ray.util.state import list_actors
 
     def title(p):
@@ -162,7 +164,8 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
         else:
             seen[actor.pid] = [t_fit, f"ray::{actor.class_name} (in a process started before fit)", float("nan")]
     first = json.loads(log.read_text().splitlines()[0])["t"] - t_fit
-    print(f"timeline of a 1-epoch trial, {label} (0 s: the trainer is built and fit() called; processes started since):")
+    print(f"timeline of a 1-epoch trial, {label} (0 s: the trainer is built and fit() called; processes started "
+          "since):")
     print(f"{'start s':>8s} {'CPU s':>6s}  process")
     for created, name, cpu in sorted(seen.values()):
         print(f"{created - t_fit:8.2f} {cpu:6.2f}  {name}")
@@ -178,7 +181,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--timeline", action="store_true", help="only: which processes a trial starts, when, at what CPU cost (two trials)")
+    p.add_argument("--timeline", action="store_true",
+                   help="only: which processes a trial starts, when, at what CPU cost (two trials)")
     p.add_argument("--and-timeline", action="store_true",
                    help="the timeline's two trials first, then the overhead figures, on one cluster (the tests' way)")
     a = p.parse_args()
@@ -186,8 +190,8 @@ def main() -> int:
 
     import ray
 
-    from raysweep.data import load_data
     from raysweep.cluster import ray_init_kwargs
+    from raysweep.data import load_data
 
     runs = {name: {"bare": [], "ray": [], "own": [], "first": [], "first_epoch": []} for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,7 +241,7 @@ def main() -> int:
           f"{epochs} epochs × {repeats} repetitions; medians over repetitions")
     print(f"{'configuration':13s} {'images':>6s} {'bare s/epoch':>12s} {'Ray s/epoch':>11s} {'worker own':>10s} "
           f"{'Ray ÷ bare':>10s} {'first report s':>14s}")
-    for name, (cpus, images) in CONFIGS.items():
+    for name, (_, images) in CONFIGS.items():
         m = med[name]
         print(f"{name:13s} {images // scale:6d} {m['bare']:12.3f} {m['ray']:11.3f} {m['own']:10.3f} "
               f"{m['ray'] / m['bare']:10.3f} {m['first']:14.1f}")

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from process_tree import descendants, sigkill_driver  # noqa: E402
 
 SPEC = """
 name: soak
@@ -52,15 +53,6 @@ search:
 tune: {{num_samples: {trials}, seed: 0, asha: {{grace_period: 1, reduction_factor: 2}}}}
 mlflow: {{tracking_uri: "{uri}"}}
 """
-
-
-def descendants(pid: int):
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
 
 
 def train_workers(driver_pid: int, title: str = "RayTrainWorker"):
@@ -101,31 +93,15 @@ class Server:
             try:
                 urllib.request.urlopen(f"{self.uri}/health", timeout=2)
                 return
-            except OSError:
+            except OSError as err:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"mlflow server did not start (see {self.tmp}/server.log)")
+                    raise RuntimeError(f"mlflow server did not start (see {self.tmp}/server.log)") from err
                 time.sleep(0.5)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 9)  # the server and its workers, nothing else
             self.proc.wait(timeout=30)
-
-
-def sigkill_driver(driver: subprocess.Popen) -> None:
-    """SIGKILL the driver, then what it started (a killed driver leaves Ray's agents behind), by pid."""
-    import psutil
-
-    tree = descendants(driver.pid)
-    driver.kill()
-    driver.wait(timeout=60)
-    time.sleep(1)
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=30)
 
 
 TWIN_METRICS = ("train_loss", "val_loss", "val_exact_acc", "grad_norm", "lr", "samples_seen")
@@ -311,11 +287,12 @@ def main() -> int:
               f"{host_kills} slot host kills, {a.store_restarts} tracking server restarts, {drivers - 1} driver or "
               f"broker kills + resumes (broker kills' exits {exits}), not terminal: {not_terminal or 'none'}")
         if restart_s:
-            print(f"worker restart (kill → the trial's next epoch in MLflow): median {statistics.median(restart_s):.1f} s, "
-                  f"n={len(restart_s)}, all {[round(s, 1) for s in restart_s]}")
+            print(f"worker restart (kill → the trial's next epoch in MLflow): "
+                  f"median {statistics.median(restart_s):.1f} s, n={len(restart_s)}, "
+                  f"all {[round(s, 1) for s in restart_s]}")
         if resume_s:
-            print(f"resume (tune --resume → the first new epoch in MLflow): median {statistics.median(resume_s):.1f} s, "
-                  f"all {[round(s, 1) for s in resume_s]}")
+            print(f"resume (tune --resume → the first new epoch in MLflow): "
+                  f"median {statistics.median(resume_s):.1f} s, all {[round(s, 1) for s in resume_s]}")
         faulted = store.histories()
     t_twin = time.monotonic()
     diverged = compare_twins(faulted, run_twin(a.trials, env))

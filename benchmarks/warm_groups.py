@@ -23,6 +23,7 @@ beside them, as ratios. Prints one RESULT line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -43,7 +44,8 @@ BEFORE_WARM_GROUPS = "46d03a6"
 
 def run_sweep(code: Path, spec: Path, sets: list[str], folder: Path, label: str) -> float:
     """`python -m raysweep tune` with `code` first on the path, in `folder`; returns its wall seconds."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path}
     command = [sys.executable, "-m", "raysweep", "tune", str(spec), *(a for s in sets for a in ("--set", s))]
     t0 = time.monotonic()
     with open(folder / "out.txt", "w") as out:
@@ -92,8 +94,10 @@ def anchors(workers: int, cpus_per_worker: int, tmp: Path, repeats: int = 3) -> 
             out["actor"].append(ray.get(actor.ready.remote()) - t0)
             ray.kill(actor)
             stamp = tmp / f"started-{rep}"
-            trainer = TorchTrainer(empty, train_loop_config={"stamp": str(stamp)}, scaling_config=ray.train.ScalingConfig(
-                num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
+            trainer = TorchTrainer(
+                empty, train_loop_config={"stamp": str(stamp)},
+                scaling_config=ray.train.ScalingConfig(num_workers=workers,
+                                                       resources_per_worker={"CPU": cpus_per_worker}),
                 run_config=ray.train.RunConfig(name=f"empty-{rep}", storage_path=str(tmp / "empty")))
             t0 = time.time()
             trainer.fit()
@@ -119,14 +123,16 @@ def figures(folder: Path) -> dict:
     for r in children:
         index = r.data.tags["trial_id"].rsplit("_", 1)[-1]
         first = min(client.get_metric_history(r.info.run_id, "epoch"), key=lambda m: m.step)
-        epoch_time = next(m.value for m in client.get_metric_history(r.info.run_id, "epoch_time_s") if m.step == first.step)
+        epoch_time = next(m.value for m in client.get_metric_history(r.info.run_id, "epoch_time_s")
+                          if m.step == first.step)
         phases = {name: h[0].value for name in STARTUP_NAMES if (h := client.get_metric_history(r.info.run_id, name))}
         trials[index] = {"status": r.info.status, "epochs": int(max(m.step for m in client.get_metric_history(
             r.info.run_id, "epoch"))), "first_step_s": (first.timestamp - r.info.start_time) / 1000 - epoch_time,
             "startup_s": phases.get("startup_s"), "phases": phases,
             "train_s": sum(m.value for m in client.get_metric_history(r.info.run_id, "epoch_time_s"))}
-    gaps = [(b.info.start_time - a.info.end_time) / 1000 for a, b in zip(children, children[1:])]
-    return {"trials": trials, "gaps": gaps, "train_s": sum(t["train_s"] for t in trials.values()), "best": parent.data.tags.get("best_trial_id", "?").rsplit("_", 1)[-1],
+    gaps = [(b.info.start_time - a.info.end_time) / 1000 for a, b in itertools.pairwise(children)]
+    return {"trials": trials, "gaps": gaps, "train_s": sum(t["train_s"] for t in trials.values()),
+            "best": parent.data.tags.get("best_trial_id", "?").rsplit("_", 1)[-1],
             "busy": parent.data.metrics.get("busy_share")}
 
 
@@ -153,10 +159,12 @@ def main() -> int:
                 results[label] = (wall, figures(folder))
                 print(f"{label}: {wall:.0f}s", flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_code)], capture_output=True)
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_code)],
+                           capture_output=True)
             shutil.rmtree(base_code, ignore_errors=True)
     (base_label, (base_wall, base)), (warm_label, (warm_wall, warm)) = results.items()
-    print(f"\n{'trial':<6} {'status (per-trial / warm)':<28} {'epochs':<8} {'start → first step, s':<24} warm startup_s")
+    print(f"\n{'trial':<6} {'status (per-trial / warm)':<28} {'epochs':<8} {'start → first step, s':<24} "
+          f"warm startup_s")
     for index in sorted(base["trials"]):
         b, w = base["trials"][index], warm["trials"].get(index, {})
         print(f"{index:<6} {b['status'] + ' / ' + w.get('status', '-'):<28} {b['epochs']} / {w.get('epochs', '-'):<4} "
@@ -178,9 +186,9 @@ def main() -> int:
 
     first_trial, *later = [t["phases"] for _, t in sorted(warm["trials"].items())]
     actor, to_fn, fit = (statistics.median(bare[k]) for k in ("actor", "to_fn", "fit"))
-    print(f"\nbare anchors (medians of {len(bare['fit'])}): ray.init {bare['init']:.1f}s; a plain actor importing torch "
-          f"{actor:.1f}s; an empty TorchTrainer ({scaling.num_workers} workers): worker function after {to_fn:.1f}s, "
-          f"fit() {fit:.1f}s")
+    print(f"\nbare anchors (medians of {len(bare['fit'])}): ray.init {bare['init']:.1f}s; a plain actor "
+          f"importing torch {actor:.1f}s; an empty TorchTrainer ({scaling.num_workers} workers): worker function "
+          f"after {to_fn:.1f}s, fit() {fit:.1f}s")
     print(f"{'start-up phase, s':<20} {'first trial':>11} {'warm trials (median)':>21}")
     for name in STARTUP_NAMES:
         print(f"{name:<20} {first_trial.get(name, float('nan')):>11.2f} "
@@ -197,7 +205,8 @@ def main() -> int:
           f"base_gap_s={statistics.median(base['gaps']):.1f} same_trials_pruned={int(same)} "
           f"same_best={int(base['best'] == warm['best'])} train_s={warm['train_s']:.0f} "
           f"wall_ratio_if_no_overhead={base_wall / warm['train_s']:.2f} "
-          f"startup_over_empty_trainer={first_trial['startup_s'] / to_fn:.2f} warm_startup_over_actor={warm_startup / actor:.2f}")
+          f"startup_over_empty_trainer={first_trial['startup_s'] / to_fn:.2f} "
+          f"warm_startup_over_actor={warm_startup / actor:.2f}")
     return 0
 
 

@@ -20,7 +20,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="raysweep", description="Ray Tune sweeps over Ray Train DDP trials for large-batch training, recorded in MLflow."
+        prog="raysweep",
+        description="Ray Tune sweeps over Ray Train DDP trials for large-batch training, recorded in MLflow.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("tune", help="run the sweep: Tune + ASHA over TorchTrainer trials, recorded in MLflow")
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default=None, help="an MLflow experiment name instead of a spec")
     p.add_argument("--tracking-uri", default=None, help="the MLflow store (default: the spec's, else ./mlflow.db)")
     p.add_argument("--out", default=None,
-                   help="folder for the files (default: <storage_path>/<name>/report, or ./raysweep_report/<experiment>)")
+                   help="folder for the files "
+                        "(default: <storage_path>/<name>/report, or ./raysweep_report/<experiment>)")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     _common(p)
@@ -94,16 +96,16 @@ def cmd_report(args) -> int:
 
 
 def cmd_check(args) -> int:
+    from raysweep import tracking
+    from raysweep.asha import AshaPlan, rung_table
     from raysweep.config import load_config
     from raysweep.console import print_check
-
-    from raysweep import sweep, tracking
 
     config = load_config(args.spec, args.overrides)
     # the rungs in the other unit need each batch's epoch seconds: what this experiment's trials measured
     seconds = tracking.epoch_seconds_by_batch(tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
                                               config.experiment_name)
-    print_check(config, (sweep.rung_table(config, seconds), seconds))
+    print_check(config, (rung_table(AshaPlan.of(config), config.trials.global_batches(), seconds), seconds))
     return 0
 
 

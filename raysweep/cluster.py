@@ -2,8 +2,9 @@
 
 Trial drivers hold a custom `trial_driver` resource (no CPU); each trial's workers hold
 `num_workers × resources_per_worker` in their own placement group. Concurrency is planned here so
-that every concurrent trial's workers fit at once: Ray never queues an oversubscribed worker group,
-it waits forever (RAY_NOTES.md).
+that every concurrent trial's workers fit at once: Ray Train queues no worker group the cluster cannot hold, its
+placement group waits for the resources until the group's start times out (`WorkerGroup._start_impl`,
+ray/train/v2/_internal/execution/worker_group/worker_group.py).
 """
 
 from __future__ import annotations
@@ -90,14 +91,15 @@ def _join_error(address: str, e: Exception) -> UserError:
                      f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
 
 
-def connect(address: str | None, config: SweepConfig, verbose: bool) -> bool:
-    """Start or join Ray; returns True when this call started it (and so must shut it down)."""
+def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -> bool:
+    """Start or join Ray; returns True when this call started it (and so must shut it down).
+    `worker_start_timeout_s`: scaling.worker_start_timeout_s, for every Ray process of the job (ray_env)."""
     import ray
     from ray.exceptions import AuthenticationError
 
     if ray.is_initialized():
         return False
-    kwargs = ray_init_kwargs(config.scaling.worker_start_timeout_s, verbose)
+    kwargs = ray_init_kwargs(worker_start_timeout_s, verbose)
     if address:
         kwargs.pop("resources")  # a running cluster's resources were set by `ray start` (cluster.yaml)
         try:
@@ -208,27 +210,28 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
     batch 512: 48-52 → 65-69 images/s, same peak RSS. Plus the RAYSWEEP_TEST_* fault switches,
     where set (tests only).
     """
-    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":")
+                if t and not t.startswith("glibc.malloc.hugetlb")]
     env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
     env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
     env.update(cache_env(compile_cache))
     return env
 
 
-def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), env: dict | None = None,
-                 worker_fn=None, extra_config: dict | None = None, compile_cache: str | None = None,
+def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), *, worker_fn,
+                 env: dict | None = None, extra_config: dict | None = None, compile_cache: str | None = None,
                  max_failures: int | None = None):
-    """A `TorchTrainer` for one trial (or, with `worker_fn`, another job on the same workers).
+    """A `TorchTrainer` whose workers run `worker_fn` on the shape of `trial`: worker/entry.slot_worker on a warm
+    slot, probe.probe_worker for the probe (the tests and benchmarks/ray_overhead.py pass a one-trial worker).
 
-    No Ray Train checkpoints: a warm slot's trials keep their own, in their own folders (worker/entry.py), and a
-    trainer of `train_worker` runs one trial from epoch 1. `compile_cache`: the sweep's compile cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`) must point Inductor at it.
-    `max_failures`: group restarts Ray Train may make (None: the trial's `train.max_failures`; a warm slot's
-    trainer passes -1, unlimited, and the broker counts each trial's, slots.py).
+    No Ray Train checkpoints: a warm slot's trials keep their own, in their own folders (worker/entry.py).
+    `worker_fn` gets {"trial": TrialConfig dict, "data": `data_ref`, "compile_cache", **`extra_config`}.
+    `compile_cache`: the sweep's compile cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`)
+    must point Inductor at it. `max_failures`: group restarts Ray Train may make (None: the trial's
+    `train.max_failures`; a warm slot's trainer passes -1, unlimited, and the broker counts each trial's, slots/).
     """
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
-    if worker_fn is None:
-        from raysweep.worker.entry import train_worker as worker_fn
     extra_config = {"compile_cache": compile_cache, **(extra_config or {})}
     resources = {"CPU": trial.scaling.cpus_per_worker}
     if trial.scaling.use_gpu:

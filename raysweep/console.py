@@ -1,6 +1,7 @@
 """Everything the driver prints: the plan, trial events, progress tables, epoch lines, summaries.
 
-Rank code never prints; library code logs. This module only formats and prints.
+Rank code never prints; library code logs. This module only formats and prints. The sweep's summary table (its
+columns, the missing-value rule) is report/table.py's, printed here as text.
 """
 
 from __future__ import annotations
@@ -9,25 +10,20 @@ import math
 import sys
 import time
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from raysweep.config import SweepConfig
-from raysweep.metrics import EAGER_FALLBACK, STARTUP_NAMES, STARTUP_PHASES, TrialView
+from raysweep.metrics import EAGER_FALLBACK, STARTUP_NAMES, STARTUP_PHASES, TrialView, outcome_counts
+from raysweep.metrics import names as M
+from raysweep.report.table import counted, fmt, format_table, shown
 
+if TYPE_CHECKING:
+    from raysweep.config import DataConfig, SweepConfig, TrainConfig, TuneSection
+    from raysweep.metrics import Horizon, RunRecord
 
-def fmt(value, spec: str = ".4g") -> str:
-    """A table cell: `-` for a missing value."""
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, float):
-        return format(value, spec)
-    return str(value)
-
-
-def format_table(columns, rows) -> str:
-    widths = [max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+# `train`'s figures of an epoch, in order, with their format (epoch_line; the first four close print_train_summary)
+EPOCH_FIGURES = ((M.train_loss, ".4f"), (M.val_loss, ".4f"), (M.val_exact_acc, ".3f"), (M.val_char_acc, ".3f"),
+                 (M.lr, ".2e"))
+FINAL_FIGURES = EPOCH_FIGURES[:4]  # the losses and accuracies
 
 
 def now() -> str:
@@ -36,15 +32,15 @@ def now() -> str:
 
 def epoch_line(r: dict, epochs: int) -> str:
     """`train`'s line per epoch, from a reported result."""
-    mem = (f"peak mem {r['peak_mem_allocated_gb']:.2f} GiB" if r.get("peak_mem_allocated_gb")
-           else f"rss {r.get('rss_gb', 0):.2f} GiB")
-    noise = f"  B_noise {fmt(r.get('grad_noise_scale'), ',.0f')}" if "grad_noise_scale" in r else ""
-    compiled = f"  compiled in {r['compile_s']:.1f}s" if r.get("compile_s") else ""
-    clock = f"  {r['train_seconds']:.1f} s trained" if r.get("train_seconds") else ""
-    reached = f"  target in {r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") is not None else ""
-    return (f"epoch {int(r['epoch'])}/{epochs}  train_loss {r['train_loss']:.4f}  val_loss {r['val_loss']:.4f}  "
-            f"val_exact_acc {r['val_exact_acc']:.3f}  val_char_acc {r['val_char_acc']:.3f}  lr {r['lr']:.2e}  "
-            f"{r['samples_per_s']:,.0f} samples/s  {mem}{noise}{compiled}{clock}{reached}")
+    mem = (f"peak mem {r[M.peak_mem_allocated_gb]:.2f} GiB" if r.get(M.peak_mem_allocated_gb)
+           else f"rss {r.get(M.rss_gb, 0):.2f} GiB")
+    noise = f"  B_noise {fmt(r.get(M.grad_noise_scale), ',.0f')}" if M.grad_noise_scale in r else ""
+    compiled = f"  compiled in {r[M.compile_s]:.1f}s" if r.get(M.compile_s) else ""
+    clock = f"  {r[M.train_seconds]:.1f} s trained" if r.get(M.train_seconds) else ""
+    reached = f"  target in {r[M.time_to_target_s]:.1f} s" if r.get(M.time_to_target_s) is not None else ""
+    figures = "  ".join(f"{name} {r[name]:{spec}}" for name, spec in EPOCH_FIGURES)
+    return (f"epoch {int(r[M.epoch])}/{epochs}  {figures}  {r[M.samples_per_s]:,.0f} samples/s  "
+            f"{mem}{noise}{compiled}{clock}{reached}")
 
 
 class ConsoleProgress:
@@ -56,20 +52,27 @@ class ConsoleProgress:
     COLUMNS = ("trial", "status", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch",
                "val_loss", "val_exact", "samples/s", "mem_gib", "b_noise")
 
-    def __init__(self, config: SweepConfig, train_size: int, every_s: float = 30.0, per_epoch: bool = False):
-        self.config, self.train_size, self.every_s, self.per_epoch = config, train_size, every_s, per_epoch
+    def __init__(self, trials, tune: TuneSection, epochs: int, train_size: int, every_s: float = 30.0,
+                 per_epoch: bool = False):
+        """`trials`: a trial's config from its knobs, and which knobs are the baseline (config.TrialFactory:
+        `.trial(knobs, train_size)`, `.is_baseline(knobs)`); `tune`: the spec's tune section (its metric and
+        target); `epochs`: train.epochs (an epoch line's total before the trial reports its own)."""
+        self.trials, self.train_size, self.epochs = trials, train_size, epochs
+        self.metric = tune.metric
+        self.target_metric = tune.target.metric if tune.target is not None else None
+        self.every_s, self.per_epoch = every_s, per_epoch
         self.startups: dict[str, dict] = {}  # trial id → startup_s and its phases (metrics.STARTUP_NAMES)
         self.eager: set[str] = set()  # trials warned of an eager fallback
         self.last_table = time.monotonic()
 
     def row(self, view: TrialView) -> list[str]:
-        t = self.config.trial(view.config, self.train_size)
-        mem = view.value("peak_mem_allocated_gb") or view.value("rss_gb")
+        t = self.trials.trial(view.config, self.train_size)
+        mem = view.value(M.peak_mem_allocated_gb) or view.value(M.rss_gb)
         return [view.trial_id, view.status, str(t.knobs.per_gpu_batch_size), str(t.global_batch_size),
                 fmt(t.knobs.base_lr, ".2e"), fmt(t.peak_lr, ".2e"), fmt(t.knobs.warmup_epochs, "g"),
-                fmt(t.knobs.weight_decay, ".1e"), fmt(view.last.get("epoch")), fmt(view.value("val_loss")),
-                fmt(view.value("val_exact_acc"), ".3f"), fmt(view.value("samples_per_s"), ",.0f"), fmt(mem, ".2f"),
-                fmt(view.value("grad_noise_scale"), ",.0f")]
+                fmt(t.knobs.weight_decay, ".1e"), fmt(view.last.get(M.epoch)), fmt(view.value(M.val_loss)),
+                fmt(view.value(M.val_exact_acc), ".3f"), fmt(view.value(M.samples_per_s), ",.0f"), fmt(mem, ".2f"),
+                fmt(view.value(M.grad_noise_scale), ",.0f")]
 
     def table(self, views: list[TrialView]) -> str:
         return format_table(self.COLUMNS, [self.row(v) for v in views])
@@ -77,8 +80,8 @@ class ConsoleProgress:
     # Tune callback hooks (the console callback forwards to these)
     def trial_start(self, view: TrialView) -> None:
         if not self.per_epoch:
-            t = self.config.trial(view.config, self.train_size)
-            baseline = " (baseline: the spec's defaults)" if self.config.is_baseline(view.config) else ""
+            t = self.trials.trial(view.config, self.train_size)
+            baseline = " (baseline: the spec's defaults)" if self.trials.is_baseline(view.config) else ""
             print(f"[{now()}] start  {view.trial_id}{baseline}: per-GPU batch {t.knobs.per_gpu_batch_size} × "
                   f"{t.world_size} workers × {t.knobs.grad_accum_steps} accum = global {t.global_batch_size}, "
                   f"peak LR {t.peak_lr:.2e}, warmup {t.knobs.warmup_epochs:g} ep, wd {t.knobs.weight_decay:.1e}",
@@ -89,20 +92,19 @@ class ConsoleProgress:
             self.eager.add(trial_id)
             print(f"[{now()}] warning {trial_id}: its compiled step ran eager (Dynamo hit a recompile limit): slower "
                   f"and another dropout stream than its compiled peers; MLflow tag raysweep.eager_fallback", flush=True)
-        if "startup_s" in result and trial_id not in self.startups:
+        if M.startup_s in result and trial_id not in self.startups:
             self.startups[trial_id] = {k: float(result[k]) for k in STARTUP_NAMES if k in result}
             line = startup_line(self.startups[trial_id])
             print(line if self.per_epoch else f"[{now()}] up     {trial_id}: {line}", flush=True)
         if self.per_epoch:
-            print(epoch_line(result, int(result.get("resolved_epochs", self.config.train.epochs))), flush=True)
+            print(epoch_line(result, int(result.get(M.resolved_epochs, self.epochs))), flush=True)
 
     def trial_end(self, view: TrialView) -> None:
-        metric = self.config.tune.metric
-        seconds = f" ({view.value('train_seconds'):.0f} s)" if view.value("train_seconds") else ""
-        reached = (f", {self.config.tune.target.metric} reached in {view.value('time_to_target_s'):.1f} s"
-                   if view.value("time_to_target_s") is not None else "")
-        print(f"[{now()}] {view.status:<8} {view.trial_id} at epoch {view.epoch}{seconds}: {metric} "
-              f"{fmt(view.value(metric))}{reached}", flush=True)
+        seconds = f" ({view.value(M.train_seconds):.0f} s)" if view.value(M.train_seconds) else ""
+        reached = (f", {self.target_metric} reached in {view.value(M.time_to_target_s):.1f} s"
+                   if view.value(M.time_to_target_s) is not None else "")
+        print(f"[{now()}] {view.status:<8} {view.trial_id} at epoch {view.epoch}{seconds}: {self.metric} "
+              f"{fmt(view.value(self.metric))}{reached}", flush=True)
         if view.error:
             print(f"         {view.trial_id}: {view.error}", flush=True)
 
@@ -138,7 +140,8 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else 0
         width = 30
         filled = width * self.done // self.total
-        line = f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:,.0f}/s eta {eta:.0f}s"
+        line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:,.0f}/s "
+                f"eta {eta:.0f}s")
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -172,10 +175,10 @@ def print_waiting(line: str) -> None:
     print(f"plan: {line}", flush=True)
 
 
-def print_data(data, config: SweepConfig) -> None:
-    d = config.data
-    print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images {d.width}×{d.height}, "
-          f"{d.length} characters of {d.num_classes}", flush=True)
+def print_data(data, spec: DataConfig) -> None:
+    """The data a sweep runs on (`spec`: the spec's data section, for the image shape)."""
+    print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images {spec.width}×{spec.height}, "
+          f"{spec.length} characters of {spec.num_classes}", flush=True)
 
 
 def print_batch_cap(cap: int, probed=None) -> None:
@@ -209,21 +212,20 @@ def print_check(config: SweepConfig, rungs: tuple[list, dict] | None = None) -> 
 
     print(spec_yaml(config), end="")
     n = config.data.synthetic.train_size if config.data.train_dir is None else None
-    trial = config.trial({}, n or 1)
+    trial = config.trials.trial({}, n or 1)
     print("# derived at the defaults" + ("" if n else " (train size unknown until the folder is read: steps assume 1)"))
-    for key in ("global_batch_size", "peak_lr", "steps_per_epoch", "warmup_steps", "total_steps"):
+    for key in (M.global_batch_size, M.peak_lr, M.steps_per_epoch, M.warmup_steps, M.total_steps):
         print(f"#   {key}: {getattr(trial, key):.6g}")
     if rungs is not None:
-        print_rungs(config, *rungs)
+        print_rungs(config.tune.asha.unit, config.trials.global_batches(), *rungs)
 
 
-def print_rungs(config: SweepConfig, rows: list[list[str]], epoch_seconds: dict[int, float]) -> None:
-    """ASHA's rungs in the spec's unit and the other for each of its global batches (`rows`: sweep.rung_table)."""
-    seconds = config.time_attr == "train_seconds"
-    other = "epochs" if seconds else "training seconds"
-    batches = config.global_batches()
-    print(f"# ASHA rungs in {config.tune.asha.unit} (then max_t), and in {other} at each global batch of the spec:")
-    table = format_table(("#", config.tune.asha.unit, *(f"batch {b}" for b in batches)), rows)
+def print_rungs(unit: str, batches: list[int], rows: list[list[str]], epoch_seconds: dict[int, float]) -> None:
+    """ASHA's rungs in the spec's unit (tune.asha.unit) and the other for each of its global batches (`batches`:
+    config.TrialFactory.global_batches; `rows`: asha.rung_table)."""
+    other = "epochs" if unit == "seconds" else "training seconds"
+    print(f"# ASHA rungs in {unit} (then max_t), and in {other} at each global batch of the spec:")
+    table = format_table(("#", unit, *(f"batch {b}" for b in batches)), rows)
     print("\n".join(f"#   {line}" for line in table.splitlines()))
     known = [b for b in batches if b in epoch_seconds]
     if known:
@@ -234,45 +236,19 @@ def print_rungs(config: SweepConfig, rows: list[list[str]], epoch_seconds: dict[
               "`train --set search.per_gpu_batch_size=N`)")
 
 
-def make_console_callback(progress: ConsoleProgress):
-    """A `ray.tune.Callback` that forwards Tune's events to `progress` (ray.tune imported here, lazily)."""
-    from ray.tune import Callback
-
-    horizon = progress.config.horizon
-
-    class ConsoleCallback(Callback):
-        def on_trial_start(self, iteration, trials, trial, **info):
-            progress.trial_start(TrialView.of_trial(trial, horizon))
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            progress.trial_result(trial.trial_id, result)
-
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            progress.trial_end(TrialView.of_trial(trial, horizon, ended="complete"))
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            progress.trial_end(TrialView.of_trial(trial, horizon, ended="error"))
-
-        def on_step_end(self, iteration, trials, **info):
-            if not progress.per_epoch:
-                progress.step(TrialView.of_trial(t, horizon) for t in trials)
-
-    return ConsoleCallback()
-
-
 def startup_line(phases: dict) -> str:
     """A trial's start-up: trial start → first training step, and where it went (metrics.STARTUP_PHASES)."""
     parts = " · ".join(f"{name.removeprefix('startup_').removesuffix('_s')} {phases.get(name, 0):.1f}"
                        for name, _ in STARTUP_PHASES)
-    return f"started in {phases['startup_s']:.1f}s ({parts})"
+    return f"started in {phases[M.startup_s]:.1f}s ({parts})"
 
 
 def print_busy(busy: float, wall_s: float, slots: int, startups: dict[str, dict]) -> None:
     """Every sweep's last figures: the share of its slot-seconds spent training, and its trials' start-up."""
     line = (f"busy {busy:.0%}: {slots} slot{'s' if slots > 1 else ''} × {wall_s:.0f}s of wall time, "
             f"{busy * wall_s * slots:.0f}s of it training and evaluating")
-    warm = sorted(p["startup_s"] for p in startups.values() if not p.get("startup_group_s"))
-    cold = sorted(p["startup_s"] for p in startups.values() if p.get("startup_group_s"))
+    warm = sorted(p[M.startup_s] for p in startups.values() if not p.get(M.startup_group_s))
+    cold = sorted(p[M.startup_s] for p in startups.values() if p.get(M.startup_group_s))
     starts = [f"{len(group)} on {kind} groups, median {group[len(group) // 2]:.1f}s"
               for kind, group in (("new", cold), ("warm", warm)) if group]
     if starts:
@@ -280,33 +256,34 @@ def print_busy(busy: float, wall_s: float, slots: int, startups: dict[str, dict]
     print(line)
 
 
-def print_train_summary(config: SweepConfig, best: TrialView | None, train_size: int, wall_s: float,
-                        startup: dict | None = None) -> None:
-    """`train`'s closing line: the run's final figures."""
-    if best is None:
+def print_train_summary(record: RunRecord | None, wall_s: float, startup: dict | None = None) -> None:
+    """`train`'s closing line: the run's final figures (`record`: its trial as the store holds it, None: no trial
+    to show; `startup`: its start-up phases, ConsoleProgress.startups)."""
+    if record is None:
         return
-    m, trial = best.last, config.trial(best.config, train_size)
-    line = (f"summary: {best.epoch} epochs in {wall_s:.0f}s; global batch {trial.global_batch_size}, "
-            f"peak LR {trial.peak_lr:.2e}; final train_loss {m['train_loss']:.4f}, val_loss {m['val_loss']:.4f}, "
-            f"val_exact_acc {m['val_exact_acc']:.3f}, val_char_acc {m['val_char_acc']:.3f}; "
-            f"{m['samples_per_s']:,.0f} samples/s (last epoch)")
+    finals = ", ".join(f"{name} {fmt(record.last(name), spec)}" for name, spec in FINAL_FIGURES)
+    batch, peak_lr = fmt(record.params.get(M.global_batch_size)), fmt(record.number(M.peak_lr), ".2e")
+    line = (f"summary: {record.epoch} epochs in {wall_s:.0f}s; global batch {batch}, peak LR {peak_lr}; "
+            f"final {finals}; {fmt(record.last(M.samples_per_s), ',.0f')} samples/s (last epoch)")
     if startup:
         line += f"; {startup_line(startup)}"
     print(line)
 
 
-def print_sweep_summary(config: SweepConfig, views: list[TrialView], report, wall_s: float, top: int = 5) -> None:
-    """`tune`'s closing lines: counts, epochs saved by ASHA, the top trials against the baseline, the
-    recommendation and where the report is (`report`: report.SweepReport, built from the MLflow store)."""
-    count = {s: sum(v.status == s for v in views) for s in ("finished", "pruned", "failed")}
-    if config.time_attr == "epoch" and config.train.time_budget_s is None:
-        run, budget, unit = sum(v.epoch for v in views), len(views) * config.max_t, "epochs"
+def print_sweep_summary(report, wall_s: float, horizon: Horizon, train: TrainConfig, top: int = 5) -> None:
+    """`tune`'s closing lines, all from the store (`report`: report.SweepReport): counts, the epochs (or training
+    seconds) ASHA saved against every trial running to `horizon`'s max_t (or `train`.time_budget_s), the top trials
+    against the baseline, the recommendation and where the report is."""
+    trials, time_budget_s = report.record.trials, train.time_budget_s
+    count = outcome_counts(trials)
+    if horizon.time_attr == M.epoch and time_budget_s is None:
+        run, budget, unit = sum(t.epoch for t in trials), len(trials) * horizon.max_t, "epochs"
     else:  # trials run different epochs: what they cost is their training seconds
-        run, unit = sum(v.value("train_seconds") or 0 for v in views), "training seconds"
-        budget = len(views) * min(config.max_t, config.train.time_budget_s or math.inf)
+        run, unit = sum(t.last(M.train_seconds) or 0 for t in trials), "training seconds"
+        budget = len(trials) * min(horizon.max_t, time_budget_s or math.inf)
     saved = (f" of {budget:,.0f} {unit} run ({budget - run:,.0f} saved)" if math.isfinite(budget) and budget >= run
              else f" {unit} run")
-    print(f"\nsweep: {len(views)} trials in {wall_s:.0f}s: {count['finished']} finished, {count['pruned']} pruned by "
+    print(f"\nsweep: {len(trials)} trials in {wall_s:.0f}s: {count['finished']} finished, {count['pruned']} pruned by "
           f"ASHA, {count['failed']} failed; {run:,.0f}{saved}")
     _print_report_body(report, top)
 
@@ -314,35 +291,22 @@ def print_sweep_summary(config: SweepConfig, views: list[TrialView], report, wal
 def print_report(report, top: int = 10) -> None:
     """`report`'s lines: the sweep, its top trials against the baseline, the recommendation, the files."""
     r = report.record
-    counts = {s: sum(t.status == s for t in r.trials) for s in ("finished", "pruned", "failed", "interrupted", "running")}
-    print(f"sweep: {r.parent_name} (experiment {r.experiment!r}): {len(r.trials)} trials, "
-          + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    print(f"sweep: {r.parent_name} (experiment {r.experiment!r}): {len(r.trials)} trials, {counted(r.trials)}")
     _print_report_body(report, top)
 
 
 def _print_report_body(report, top: int) -> None:
+    """The top trials (report/table.py's columns), the recommendation and how it held, the report's files."""
     r = report.record
-    metric = r.metric
-    rows = []
-    for row in report.rows[:top]:
-        t = row.trial
-        rows.append([t.trial_id + (" (baseline)" if t.baseline else ""), t.params.get("per_gpu_batch_size", "-"),
-                     t.params.get("global_batch_size", "-"), fmt(t.number("base_lr"), ".2e"),
-                     fmt(t.number("peak_lr"), ".2e"), t.params.get("warmup_epochs", "-"),
-                     fmt(t.number("weight_decay"), ".1e"), str(t.epoch), fmt(row.value), _signed(row.delta),
-                     fmt(t.wall_s, ".0f"), _signed(row.delta_wall_s, ".0f"), fmt(t.last("samples_per_s"), ",.0f"),
-                     _signed(row.delta_samples_per_s, ",.0f"), fmt(t.last("grad_noise_scale"), ",.0f"),
-                     fmt(t.last("train_seconds"), ".1f")]
-                    + ([fmt(t.last("time_to_target_s"), ".1f")] if r.target else []))
+    columns = shown(r)
+    rows = [[c.text(row) for c in columns] for row in report.rows[:top]]
     if rows:
         base = report.baseline
-        order = (f"time to {r.target_label()} (training seconds), then {metric} ({r.mode})" if r.target
-                 else f"{metric} ({r.mode})")
+        order = (f"time to {r.target_label()} (training seconds), then {r.metric} ({r.mode})" if r.target
+                 else f"{r.metric} ({r.mode})")
         print(f"top trials by {order}" + (f"; Δ against the baseline {base.trial_id} (the spec's defaults):"
                                           if base else ":"))
-        print(format_table(("trial", "per_gpu", "global", "base_lr", "peak_lr", "warmup", "wd", "epoch", metric,
-                            f"Δ{metric}", "wall_s", "Δwall_s", "samples/s", "Δsamples/s", "b_noise", "train_s")
-                           + ((f"to {r.target_label()} s",) if r.target else ()), rows))
+        print(format_table([c.header for c in columns], rows))
     else:
         print("no trial succeeded", file=sys.stderr)
     if report.recommendation is not None:
@@ -351,10 +315,6 @@ def _print_report_body(report, top: int) -> None:
         print_held(report.held, r.target_label())
     print(f"report:  {report.folder}/report.html (plots: {', '.join(f for f in report.files if f.endswith('.png'))}; "
           f"also on the MLflow parent run, under report/)")
-
-
-def _signed(value, spec: str = ".4g") -> str:
-    return "-" if value is None else format(value, "+" + spec)
 
 
 def print_probe(result, margin: float) -> None:
@@ -378,8 +338,8 @@ def print_recommendation(rec) -> None:
     print("predicted cost to reach the same loss (McCandlish et al. 2018): samples ∝ 1 + B/B_noise, "
           "steps ∝ 1 + B_noise/B, time ∝ samples ÷ samples/s")
     print(format_table(("global_batch", "samples/s", "samples×", "steps×", "time×", ""), rows))
-    print(f"batch growth stops paying near B ≈ B_noise ≈ {rec.noise_scale:,.0f}: below it a doubled batch nearly halves "
-          f"the steps; above it, steps fall little while samples grow. Fastest here: global batch {fastest}.")
+    print(f"batch growth stops paying near B ≈ B_noise ≈ {rec.noise_scale:,.0f}: below it a doubled batch nearly "
+          f"halves the steps; above it, steps fall little while samples grow. Fastest here: global batch {fastest}.")
 
 
 def print_held(held, target: str) -> None:

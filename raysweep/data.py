@@ -246,7 +246,9 @@ def synthetic_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
     return CaptchaData(train, val, source=f"synthetic (seed {s.seed}, {s.train_size} train / {s.val_size} val)")
 
 
-def write_captcha_folder(folder: Path, count: int, charset: str, length: int, width: int, height: int, seed: int = 0) -> list[Path]:
+def write_captcha_folder(
+    folder: Path, count: int, charset: str, length: int, width: int, height: int, seed: int = 0
+) -> list[Path]:
     """Write `count` seeded captchas as `TEXT_index.png` files (a data folder, for tests and demos)."""
     from captcha.image import ImageCaptcha
 

@@ -11,6 +11,8 @@ No Ray, no MLflow here: the worker raises these, the driver reads them.
 
 from __future__ import annotations
 
+from raysweep.metrics import FAILED, FINISHED, PRUNED, TAG_ERROR, TAG_FAILURE, outcome_of_run
+
 OOM, DIVERGED, ERROR, INFRA = "oom", "diverged", "error", "infra"
 OWN = (OOM, DIVERGED, ERROR)  # the trial's own: final (never retried, never resumed)
 KINDS = (*OWN, INFRA)
@@ -64,8 +66,9 @@ def settled(status: str, tags: dict) -> dict | None | bool:
     """How the store says a trial ended, when that is final (`tune --resume` runs it no further): its failure
     (as_dict) when it failed on its own; None when it finished or ASHA pruned it; False when it may go on (still
     running, interrupted, or failed for the infrastructure). `status`, `tags`: its MLflow run's."""
-    if status == "FINISHED" or (status == "KILLED" and tags.get("stopped_by") == "asha"):
+    outcome = outcome_of_run(status, tags)
+    if outcome in (FINISHED, PRUNED):
         return None
-    if status == "FAILED" and tags.get("failure", ERROR) in OWN:
-        return {"kind": tags.get("failure", ERROR), "message": tags.get("error", "failed")}
+    if outcome == FAILED and tags.get(TAG_FAILURE, ERROR) in OWN:
+        return {"kind": tags.get(TAG_FAILURE, ERROR), "message": tags.get(TAG_ERROR, "failed")}
     return False

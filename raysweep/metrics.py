@@ -1,5 +1,6 @@
 """Metric and param names (API: MLflow keys, Tune metrics, summary columns), listed once, here; the
-typed records that carry them; and the one rule that reads a trial's outcome.
+typed records that carry them; and the one rule that reads a trial's outcome, with its one encoding in MLflow
+(a run's status and tags: `run_ending` writes it, `outcome_of_run` reads it back).
 
 Imports nothing from raysweep and nothing heavy: the worker, the driver and the console all use it.
 """
@@ -7,7 +8,7 @@ Imports nothing from raysweep and nothing heavy: the worker, the driver and the 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,25 @@ EAGER_FALLBACK = "eager_fallback"
 # the metrics a sweep can rank by, each with the direction that is better (`tune.mode` must agree)
 METRIC_MODES = {"val_loss": "min", "val_exact_acc": "max", "val_char_acc": "max", "train_loss": "min"}
 RANKABLE_METRICS = tuple(METRIC_MODES)
+# a trial's MLflow params: its knobs and the values derived from them (config.TrialConfig.params builds them)
+TRIAL_PARAMS = ("per_gpu_batch_size", "base_lr", "warmup_epochs", "weight_decay", "grad_accum_steps", "lr_rule",
+                "global_batch_size", "peak_lr", "steps_per_epoch", "warmup_steps", "total_steps", "world_size",
+                "precision", "epochs", "train_size", "reference_batch_size", "min_lr", "grad_clip")
+
+
+class Names:
+    """Every metric and param name above as an attribute holding itself (`names.val_loss == "val_loss"`): the
+    driver reads results, runs and records through it, so a name that is not API fails where it is read."""
+
+    def __init__(self, *groups: tuple[str, ...]):
+        for group in groups:
+            self.__dict__.update((name, name) for name in group)
+
+    def __getattr__(self, name: str) -> str:  # only for names not set in __init__
+        raise AttributeError(f"{name!r} is not a metric or param name (raysweep/metrics.py lists them)")
+
+
+names = Names(METRIC_NAMES, WORKER_PARAMS, STARTUP_NAMES, TRIAL_PARAMS, (EAGER_FALLBACK,))
 
 
 def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:
@@ -109,6 +129,20 @@ def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:
 TARGET_NAMES = ("time_to_target_s", "epochs_to_target", "samples_to_target")
 
 
+# How a trial stands, one vocabulary for Tune's trials (TrialView) and the store's runs (RunRecord): it ended
+# finished, pruned by ASHA or failed (Horizon.outcome); in the store, also interrupted (its sweep stopped before
+# it ended: `tune --resume` goes on with it) or still running. OUTCOMES is the order counts are shown in.
+FINISHED, PRUNED, FAILED, INTERRUPTED, RUNNING = "finished", "pruned", "failed", "interrupted", "running"
+OUTCOMES = (FINISHED, PRUNED, FAILED, INTERRUPTED, RUNNING)
+# the tags of a trial's MLflow run that say how it ended (run_ending writes them, outcome_of_run reads them)
+TAG_STOPPED_BY, TAG_STOPPED_AT_EPOCH = "stopped_by", "stopped_at_epoch"  # pruned: "asha", and its last epoch
+TAG_FAILURE, TAG_ERROR = "failure", "error"  # failed: its kind (failures.KINDS), and the error's telling line
+TAG_BASELINE = "raysweep.baseline"  # "true" on the baseline's run (the spec's defaults)
+# an error line is cut to this, below the longest tag value MLflow takes (MAX_TAG_VAL_LENGTH in
+# mlflow/utils/validation.py: 8000 in MLflow 3)
+ERROR_TAG_CHARS = 5000
+
+
 @dataclass(frozen=True)
 class Horizon:
     """Where a sweep's trials end on their own (config.SweepConfig.horizon): ASHA's max_t in its time attribute
@@ -122,11 +156,49 @@ class Horizon:
         """How a trial that is no longer running ended: failed, finished (it ran all its epochs, reached max_t or,
         where the target stops trials, the target) or pruned (cut by ASHA). `last`: its last reported result."""
         if errored:
-            return "failed"
+            return FAILED
         done = (float(last.get(self.time_attr, 0)) >= self.max_t
                 or int(last.get("epoch", 0)) >= int(last.get("resolved_epochs", 1 << 62))
                 or (self.stop_at_target and last.get("time_to_target_s") is not None))
-        return "finished" if done else "pruned"
+        return FINISHED if done else PRUNED
+
+
+class RunEnding(NamedTuple):
+    """How a trial's MLflow run ends: its final status and the tags that say why (`status, tags = run_ending(...)`)."""
+
+    status: str  # FINISHED | KILLED | FAILED
+    tags: dict[str, str]
+
+
+def run_ending(outcome: str, epoch: int = 0, failure: str | None = None, error: str | None = None) -> RunEnding:
+    """An outcome (Horizon.outcome) as its MLflow run ends: finished → FINISHED; pruned → KILLED tagged
+    stopped_by=asha and stopped_at_epoch=`epoch`; failed → FAILED tagged error=`error` (its line, cut to
+    ERROR_TAG_CHARS) and failure=`failure` (its kind). `outcome_of_run` reads it back."""
+    if outcome == FINISHED:
+        return RunEnding("FINISHED", {})
+    if outcome == PRUNED:
+        return RunEnding("KILLED", {TAG_STOPPED_BY: "asha", TAG_STOPPED_AT_EPOCH: str(epoch)})
+    if outcome == FAILED and failure is not None and error is not None:
+        return RunEnding("FAILED", {TAG_ERROR: error[:ERROR_TAG_CHARS], TAG_FAILURE: failure})
+    raise ValueError(f"run_ending: no run ending for outcome {outcome!r} (failure {failure!r}, error {error!r}); "
+                     f"give finished, pruned, or failed with its failure kind and error line")
+
+
+def outcome_of_run(status: str, tags: dict) -> str:
+    """A trial's outcome from its MLflow run's status and tags (what run_ending wrote): FINISHED → finished,
+    FAILED → failed, RUNNING → running; any other (KILLED) → pruned where ASHA stopped it, else interrupted (its
+    sweep was stopped: tracking's end_sweep)."""
+    known = {"FINISHED": FINISHED, "FAILED": FAILED, "RUNNING": RUNNING}
+    if status in known:
+        return known[status]
+    return PRUNED if tags.get(TAG_STOPPED_BY) == "asha" else INTERRUPTED
+
+
+def outcome_counts(trials) -> dict[str, int]:
+    """{outcome: how many of `trials` (anything with a `.status`: RunRecord, TrialView) stand so}, for every
+    outcome of OUTCOMES in its order, zeros included."""
+    statuses = [t.status for t in trials]
+    return {outcome: statuses.count(outcome) for outcome in OUTCOMES}
 
 
 def reached(value: float, target: float, mode: str) -> bool:
@@ -237,7 +309,7 @@ def _trial_error_line(trial) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# A sweep as the MLflow store holds it (tracking.load_sweep reads it; report.py draws it)
+# A sweep as the MLflow store holds it (tracking.load_sweep reads it; report/ draws it)
 
 
 @dataclass
@@ -246,7 +318,7 @@ class RunRecord:
 
     run_id: str
     trial_id: str
-    status: str  # finished | pruned | failed | interrupted | running
+    status: str  # an outcome of OUTCOMES (outcome_of_run)
     params: dict  # MLflow params (strings): knobs, derived values, worker params
     history: dict  # metric name → {epoch: value}
     tags: dict
@@ -256,6 +328,16 @@ class RunRecord:
     @property
     def epoch(self) -> int:
         return max(self.history.get("epoch", {}), default=0)
+
+    @property
+    def failure(self) -> str | None:
+        """Failed: its kind (failures.KINDS), from the run's tag."""
+        return self.tags.get(TAG_FAILURE)
+
+    @property
+    def error(self) -> str | None:
+        """Failed: the most telling line of its error, from the run's tag."""
+        return self.tags.get(TAG_ERROR)
 
     def last(self, name: str) -> float | None:
         values = self.history.get(name) or {}
@@ -279,7 +361,8 @@ class SweepRecord:
     mode: str
     spec_text: str
     trials: list  # RunRecord, by start time
-    target: tuple[str, float] | None = None  # tune.target (metric, value): trials that reach it rank by time_to_target_s
+    # tune.target (metric, value): trials that reach it rank by time_to_target_s
+    target: tuple[str, float] | None = None
 
     def target_label(self) -> str:
         """e.g. `val_exact_acc ≥ 0.7` (the table headers)."""

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
 _BIT_TABLES: dict[torch.device, torch.Tensor] = {}
 
 

@@ -10,8 +10,10 @@ the storage path, and to MLflow as a run of its own with a plot.
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from pathlib import Path
 
 from raysweep import storage
 from raysweep.config import SweepConfig
@@ -102,7 +104,7 @@ def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: f
     from raysweep.cluster import make_trainer, worker_env
     from raysweep.worker.probe_step import ProbeStep
 
-    trial = config.trial(config.default_knobs(), train_size=1)
+    trial = config.trials.trial(config.trials.default_knobs(), train_size=1)
     root = storage.join(storage.resolve(config.storage_path), config.name, "probe")
     name = f"probe-{datetime.now():%Y%m%d-%H%M%S}"
     out = storage.join(root, name, "probe.json")
@@ -145,6 +147,7 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
     from raysweep import console, tracking
     from raysweep.cluster import connect, plan_concurrency
     from raysweep.config import spec_yaml
+    from raysweep.report.plots import probe_plot
 
     if not 0 <= margin < 1:
         raise UserError(f"--margin {margin}: expected a fraction in [0, 1), e.g. 0.1")
@@ -152,16 +155,19 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
         raise UserError(f"--start {start} --max-batch {max_batch}: expected 1 ≤ start ≤ max-batch")
     tracking_uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
     noise = noise_scale_option(noise_scale, tracking_uri, config.experiment_name)  # bad input fails before Ray
-    started = connect(address, config, verbose)
+    started = connect(address, config.scaling.worker_start_timeout_s, verbose)
     try:
         plan_concurrency(ray.cluster_resources(), config, 1)  # one trial's workers must fit
         result = probe(config, start, max_batch, margin, max_memory_gb)
         console.print_probe(result, margin)
-        run_id = tracking.log_probe(result, spec_yaml(config), config.experiment_name, tracking_uri, margin)
+        with tempfile.TemporaryDirectory() as folder:
+            plot = Path(folder) / "probe.png"
+            probe_plot(result, plot)
+            run_id = tracking.log_probe(result, spec_yaml(config), config.experiment_name, tracking_uri, margin, plot)
         if noise is not None:
             from raysweep.noise import recommend
 
-            per_step = result.world_size * config.trial(config.default_knobs(), 1).knobs.grad_accum_steps
+            per_step = result.world_size * config.trials.trial(config.trials.default_knobs(), 1).knobs.grad_accum_steps
             advice = recommend(noise[0], {r.per_gpu_batch_size * per_step: r.images_per_s for r in result.rows
                                           if r.fits}, noise[1])
             if advice is not None:

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_spec, write_spec
 from raysweep.cluster import TOKEN_FIX
+
+from conftest import tiny_spec, write_spec
 
 # What raysweep does with --address: connect() (a refusal is its one-line UserError), then one task.
 DRIVER = r"""
@@ -35,7 +36,7 @@ from raysweep.config import load_config
 from raysweep.errors import UserError
 
 try:
-    connect(sys.argv[1], load_config(sys.argv[2]), verbose=False)
+    connect(sys.argv[1], load_config(sys.argv[2]).scaling.worker_start_timeout_s, verbose=False)
 except UserError as e:
     print(json.dumps({"error": str(e)}))
 else:

@@ -92,8 +92,9 @@ def test_gpu_suite_cpu_smoke_runs_every_step_without_ray_mlflow_or_captcha(tmp_p
     assert "blocked imports: ray,mlflow,captcha" in log
     for step in ("tests", "throughput", "probe", "compile_cache", "profile"):
         assert re.search(rf"^step {step}: exit 0 in \d+ s", log, re.M), log
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py",
-                                "tests/test_slot_memory.py"], capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py",
+               "tests/test_slot_memory.py"]
+    collected = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
     n_gpu_tests = int(re.search(r"^(\d+)(?:/\d+)? tests? collected", collected, re.M).group(1))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "cpu-smoke" and summary["failed_steps"] == []

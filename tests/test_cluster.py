@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AWS_TEST_ENV, ROOT, tiny_spec, write_spec
 from raysweep.cli import main
+
+from conftest import AWS_TEST_ENV, ROOT, tiny_spec, write_spec
 
 
 def _free_port() -> int:

@@ -22,6 +22,7 @@ from raysweep.model import CaptchaCNN
 from raysweep.worker import compile_cache
 from raysweep.worker.run import TrainingRun
 from raysweep.worker.shard import Shard
+
 from test_gpu import _data, _trial
 
 pytestmark = pytest.mark.timeout(240)

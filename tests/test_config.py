@@ -3,9 +3,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT, tiny_spec, write_spec
 from raysweep.config import load_config
 from raysweep.errors import UserError
+
+from conftest import ROOT, tiny_spec, write_spec
 
 
 def _error(tmp_path, text: str, overrides=()) -> str:
@@ -19,7 +20,7 @@ def _error(tmp_path, text: str, overrides=()) -> str:
 @pytest.mark.parametrize("path", sorted((ROOT / "search_spaces").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_spec_in_search_spaces_loads(path):
     config = load_config(path)
-    assert config.searched(), "a sweep spec searches at least one knob"
+    assert config.trials.searched(), "a sweep spec searches at least one knob"
 
 
 def test_defaults_match_design(tmp_path):
@@ -97,7 +98,8 @@ def test_missing_data_folder(tmp_path):
 
 def test_grace_shorter_than_warmup_is_refused_unless_allowed(tmp_path):
     text = "search:\n  warmup_epochs: {randint: [0, 3]}\ntune:\n  asha: {grace_period: 2}\n"
-    assert "tune.asha.grace_period: 2 is shorter than the largest warmup_epochs in the search (3)" in _error(tmp_path, text)
+    expected = "tune.asha.grace_period: 2 is shorter than the largest warmup_epochs in the search (3)"
+    assert expected in _error(tmp_path, text)
     config = load_config(write_spec(tmp_path, text), ["tune.asha.allow_grace_within_warmup=true"])
     assert config.tune.asha.grace_period == 2
 
@@ -134,21 +136,22 @@ def test_derived_values_exact(tmp_path):
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), [])
     config3 = config.model_copy(update={"scaling": config.scaling.model_copy(update={"num_workers": 3}),
                                         "train": config.train.model_copy(update={"reference_batch_size": 256})})
-    trial = config3.trial({"per_gpu_batch_size": 1024, "base_lr": 2e-4, "warmup_epochs": 2}, train_size=50_000)
+    trial = config3.trials.trial({"per_gpu_batch_size": 1024, "base_lr": 2e-4, "warmup_epochs": 2}, train_size=50_000)
     assert trial.global_batch_size == 3072
     assert trial.peak_lr == pytest.approx(6.928e-4, rel=1e-4)  # 2e-4 × sqrt(3072 / 256)
     assert trial.steps_per_epoch == 17  # ceil(50000 / 3072)
     assert trial.warmup_steps == 34 and trial.total_steps == 3 * 17
-    accum = config3.trial({"per_gpu_batch_size": 512, "grad_accum_steps": 2, "base_lr": 2e-4}, train_size=50_000)
+    accum = config3.trials.trial({"per_gpu_batch_size": 512, "grad_accum_steps": 2, "base_lr": 2e-4}, train_size=50_000)
     assert accum.global_batch_size == 3072 and accum.peak_lr == trial.peak_lr
     params = trial.params()
     assert params["global_batch_size"] == 3072 and params["world_size"] == 3
 
 
 def test_default_knobs_take_default_else_first_choice_or_lower_bound(tmp_path):
-    text = ("search:\n  per_gpu_batch_size: {choice: [16, 32], default: 32}\n  base_lr: {loguniform: [1.0e-4, 1.0e-3]}\n"
+    text = ("search:\n  per_gpu_batch_size: {choice: [16, 32], default: 32}\n"
+            "  base_lr: {loguniform: [1.0e-4, 1.0e-3]}\n"
             "  warmup_epochs: {randint: [0, 1]}\n  weight_decay: 0.01\n")
-    assert load_config(write_spec(tmp_path, text)).default_knobs() == {
+    assert load_config(write_spec(tmp_path, text)).trials.default_knobs() == {
         "per_gpu_batch_size": 32, "base_lr": 1e-4, "warmup_epochs": 0, "weight_decay": 0.01}
 
 
@@ -177,9 +180,11 @@ def test_readme_documents_every_key():
     ("search:\n  base_lr: {loguniform: [1.0e-3, 1.0e-3]}\n", "low 0.001 must be below high 0.001"),
     ("search:\n  weight_decay: {uniform: [0.01, 0.0]}\n", "low 0.01 must be below high 0.0"),
     ("search:\n  warmup_epochs: {randint: [2, 0]}\n", "low 2 must not exceed high 0"),
-    ("search:\n  base_lr: {loguniform: [1.0e-4, 1.0e-3], default: 1.0e-2}\n", "default 0.01 lies outside [0.0001, 0.001]"),
+    ("search:\n  base_lr: {loguniform: [1.0e-4, 1.0e-3], default: 1.0e-2}\n",
+     "default 0.01 lies outside [0.0001, 0.001]"),
     ("search:\n  warmup_epochs: {randint: [0, 2], default: 3}\n", "default 3 lies outside [0, 2]"),
-    ("search:\n  per_gpu_batch_size: {choice: [16, 32], default: 64}\n", "default 64 is not one of the choices [16, 32]"),
+    ("search:\n  per_gpu_batch_size: {choice: [16, 32], default: 64}\n",
+     "default 64 is not one of the choices [16, 32]"),
     ("data:\n  val_dir: /tmp\n", "val_dir is set but train_dir is not"),
     ("tune:\n  asha: {grace_period: 7}\n", "tune.asha.grace_period: 7 exceeds max_t 6"),
     ("train:\n  epochs: 4\ntune:\n  asha: {max_t: 6}\n", "tune.asha.max_t: 6 exceeds train.epochs 4"),
@@ -188,7 +193,8 @@ def test_readme_documents_every_key():
     ("train:\n  time_budget_s: 60.0\ntune:\n  asha: {unit: seconds, max_t: 90}\n",
      "tune.asha.max_t: 90 s exceeds train.time_budget_s 60"),
     ("tune:\n  asha: {unit: minutes}\n", "tune.asha.unit: got 'minutes', expected 'epochs' or 'seconds'"),
-    ("tune:\n  target: {metric: val_exact, value: 0.7}\n", "unknown metric 'val_exact' (did you mean 'val_exact_acc'?)"),
+    ("tune:\n  target: {metric: val_exact, value: 0.7}\n",
+     "unknown metric 'val_exact' (did you mean 'val_exact_acc'?)"),
     ("tune:\n  target: {metric: val_exact_acc}\n", "tune.target.value: missing required key"),
     ("train:\n  time_budget_s: 0\n", "train.time_budget_s: must be above 0.0, got 0"),
 ])
@@ -241,15 +247,40 @@ def test_data_too_small_for_the_trial_is_a_one_line_error(tmp_path):
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path, search={
         "per_gpu_batch_size": {"choice": [1, 16]}, "grad_accum_steps": {"choice": [1, 8]},
         "base_lr": 1.0e-3, "warmup_epochs": 1, "weight_decay": 0.0})))
-    config.check_data_fits(192)  # 96 per rank: even batch 1 × 8 accumulation steps fits
+    config.trials.check_data_fits(192)  # 96 per rank: even batch 1 × 8 accumulation steps fits
     with pytest.raises(UserError) as e:
-        config.check_data_fits(14)  # 7 per rank, but batch 1 × 8 accumulation needs 8 micro-batches
+        config.trials.check_data_fits(14)  # 7 per rank, but batch 1 × 8 accumulation needs 8 micro-batches
     assert str(e.value) == (
         "data: 14 training images give each of 2 workers 7, too few for 8 micro-batches per epoch (per-GPU batch 1 × "
         "8 accumulation steps, global batch 16); use more training images (data.synthetic.train_size or "
         "data.train_dir), or fewer scaling.num_workers or grad_accum_steps")
-    config.check_data_fits(14, searched=False)  # the defaults (batch 1, 1 step) fit
+    config.trials.check_data_fits(14, searched=False)  # the defaults (batch 1, 1 step) fit
 
+
+
+def test_the_trial_factory_is_the_specs_slice_that_makes_trials_and_travels_to_tune(tmp_path):
+    """`config.trials` holds only the sections a trial reads; Tune's actors get it through Ray's cloudpickle."""
+    from ray import cloudpickle
+
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path, search={
+        "per_gpu_batch_size": {"choice": [16, 64], "default": 16, "max": 32}, "grad_accum_steps": {"choice": [1, 2]},
+        "base_lr": 2.0e-3, "warmup_epochs": 1, "weight_decay": 0.0})))
+    trials = cloudpickle.loads(cloudpickle.dumps(config.trials))
+    assert set(trials.searched()) == {"per_gpu_batch_size", "grad_accum_steps"} and trials.batch_cap == 32
+    assert trials.default_knobs() == {"per_gpu_batch_size": 16, "grad_accum_steps": 1, "base_lr": 2.0e-3,
+                                      "warmup_epochs": 1, "weight_decay": 0.0}
+    assert trials.is_baseline({"per_gpu_batch_size": 16, "grad_accum_steps": 1})
+    assert not trials.is_baseline({"per_gpu_batch_size": 64, "grad_accum_steps": 1})
+    assert trials.global_batches() == [32, 64, 128, 256]  # {16, 64} × 2 workers × {1, 2}
+    trial = trials.trial({"per_gpu_batch_size": 64, "grad_accum_steps": 2}, train_size=1024, batch_cap=32)
+    assert (trial.micro_splits, trial.micro_batch_size, trial.accumulation_steps) == (2, 32, 4)
+    assert trial.global_batch_size == 256  # the cap cuts the micro-batch, not the global batch
+    assert (trial.image.width, trial.image.height, trial.image.num_classes) == (64, 24, 36)
+    assert trial.to_dict() == config.trials.trial({"per_gpu_batch_size": 64, "grad_accum_steps": 2}, 1024, 32).to_dict()
+    trials.check_data_fits(1024, batch_cap=32)
+    with pytest.raises(UserError, match=r"^data: 2 training images give each of 2 workers 1, too few for 2 micro"):
+        trials.check_data_fits(2)  # batch 16 × 2 accumulation steps: 2 micro-batches per epoch, 1 sample per rank
+    trials.check_data_fits(2, searched=False)  # the defaults (16 × 1 step) make one micro-batch
 
 @pytest.mark.parametrize("argv, expected", [
     (["tune", "SPEC", "--resume"], "--resume: no sweep at"),

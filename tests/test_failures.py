@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_spec, write_spec
 from raysweep.cli import main
 from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig, load_config
 from raysweep.model import CaptchaCNN
@@ -15,12 +14,15 @@ from raysweep.worker.net import RankModel
 from raysweep.worker.probe_step import probe_step
 from raysweep.worker.step import DivergenceWatch
 
+from conftest import tiny_spec, write_spec
+
 
 def _trial(batch=64, accum=1, workers=2):
     return TrialConfig(
         knobs=Knobs(per_gpu_batch_size=batch, base_lr=1e-3, warmup_epochs=1, weight_decay=1e-4,
                     grad_accum_steps=accum, lr_rule="sqrt"),
-        train=TrainConfig(epochs=2, reference_batch_size=64), model=ModelConfig(), scaling=ScalingConfig(num_workers=workers),
+        train=TrainConfig(epochs=2, reference_batch_size=64), model=ModelConfig(),
+        scaling=ScalingConfig(num_workers=workers),
         image=ImageSpec(width=64, height=24, length=4, num_classes=36), train_size=1000,
     )
 
@@ -36,16 +38,16 @@ def test_downshift_keeps_global_batch_lr_and_steps():
 
 def test_batch_cap_runs_large_batches_as_micro_batches(tmp_path):
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
-    capped = config.trial({"per_gpu_batch_size": 1024}, train_size=50_000, batch_cap=512)
-    plain = config.trial({"per_gpu_batch_size": 1024}, train_size=50_000)
+    capped = config.trials.trial({"per_gpu_batch_size": 1024}, train_size=50_000, batch_cap=512)
+    plain = config.trials.trial({"per_gpu_batch_size": 1024}, train_size=50_000)
     assert (capped.micro_batch_size, capped.accumulation_steps) == (512, 2)
     assert capped.global_batch_size == plain.global_batch_size and capped.peak_lr == plain.peak_lr
-    assert config.trial({"per_gpu_batch_size": 256}, 50_000, batch_cap=512).micro_splits == 1
+    assert config.trials.trial({"per_gpu_batch_size": 256}, 50_000, batch_cap=512).micro_splits == 1
 
 
 def test_max_probe_is_only_for_the_batch_knob(tmp_path):
     ok = load_config(write_spec(tmp_path, "search:\n  per_gpu_batch_size: {choice: [256, 512], max: probe}\n"))
-    assert ok.batch_cap == "probe"
+    assert ok.trials.batch_cap == "probe"
     from raysweep.errors import UserError
 
     with pytest.raises(UserError, match="'max' applies to per_gpu_batch_size only"):
@@ -117,7 +119,9 @@ def test_a_failures_kind_travels_typed_through_pickling_and_rays_wrapper():
     # what Tune keeps for a trial function that raised: Ray's wrapper, the failure as its cause (no message parsed)
     import cloudpickle  # as Tune writes a trial's error.pkl
 
-    wrapped = cloudpickle.loads(cloudpickle.dumps(RayTaskError("run_trial", "traceback", failure).as_instanceof_cause()))
+    wrapped = cloudpickle.loads(
+        cloudpickle.dumps(RayTaskError("run_trial", "traceback", failure).as_instanceof_cause())
+    )
     assert kind_of(wrapped) == "oom"
     assert kind_of(TrialFailure("infra", "worker group lost")) == "infra" and not TrialFailure("infra", "x").final
     assert kind_of(ValueError("OOM at per-GPU batch 128 diverged")) == "error"  # a message says nothing
@@ -164,7 +168,8 @@ def test_sweep_survives_oom_and_divergence(ray_cluster, tmp_path, monkeypatch, c
     spec = tiny_spec(
         tmp_path,
         train={"epochs": 2, "reference_batch_size": 64, "max_downshifts": 1},
-        search={"per_gpu_batch_size": {"choice": [16, 64, 128], "default": 16}, "base_lr": {"loguniform": [1.0e-4, 1.0e-3]},
+        search={"per_gpu_batch_size": {"choice": [16, 64, 128], "default": 16},
+                "base_lr": {"loguniform": [1.0e-4, 1.0e-3]},
                 "warmup_epochs": 0, "weight_decay": 1.0e-4},
         tune={"num_samples": 5, "seed": 3, "asha": {"grace_period": 2, "max_t": 2}},  # no pruning
     )

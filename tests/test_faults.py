@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from conftest import tiny_spec, write_spec
 from raysweep.cli import main
+
+from conftest import tiny_spec, write_spec
 from test_resilience import _assert_twins, _children, _client, _final_weights, _losses, _steps, _wait_for
 
 
@@ -26,8 +27,8 @@ def _processes(title: str):
 
 
 def _actors(class_name):
-    """This cluster's live actors of a class (the State API names a class made in a function by its qualified name,
-    `_actor_classes.<locals>.SlotHost`)."""
+    """This cluster's live actors of a class (by the last part of the State API's class name: a class defined in a
+    function is named by its qualified name)."""
     import ray
     from ray.util.state import list_actors
 
@@ -235,10 +236,10 @@ def _serve(folder, port, log):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline or proc.poll() is not None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                raise AssertionError(f"mlflow server did not start: {folder / 'server.log'}")
+                raise AssertionError(f"mlflow server did not start: {folder / 'server.log'}") from e
             time.sleep(0.5)
 
 

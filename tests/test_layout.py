@@ -82,7 +82,8 @@ def test_no_import_cycle_in_the_package():
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
 
 
-DRIVER_ROOMS = {"cli", "cluster", "sweep", "probe", "tracking", "console", "report"}
+DRIVER_ROOMS = {"cli", "cluster", "sweep", "probe", "tracking", "console", "report", "asha", "callbacks", "relay",
+                "resume", "slots"}
 
 
 def test_probe_never_imports_sweep_and_the_rank_side_never_imports_the_driver_side():
@@ -118,8 +119,8 @@ def test_only_console_prints_and_only_tracking_talks_to_mlflow():
             assert len(prints) == 2, prints
         elif path.stem != "console":
             assert not prints, f"{path.name} prints at lines {prints}: console.py prints"
-        if path.stem != "tracking":
-            assert not _imports_module(path, "mlflow"), f"{path.name} imports mlflow: tracking.py writes MLflow"
+        if not _name(path).startswith("tracking"):
+            assert not _imports_module(path, "mlflow"), f"{path.name} imports mlflow: tracking/ writes MLflow"
 
 
 def test_epoch_metrics_are_the_names_the_report_carries():
@@ -132,7 +133,8 @@ def test_epoch_metrics_are_the_names_the_report_carries():
     assert all(isinstance(v, (int, float, str)) for v in report.values())  # Ray Train rejects tensors
 
 
-@pytest.mark.parametrize("epoch, errored, expected", [(6, False, "finished"), (2, False, "pruned"), (6, True, "failed")])
+@pytest.mark.parametrize("epoch, errored, expected",
+                         [(6, False, "finished"), (2, False, "pruned"), (6, True, "failed")])
 def test_one_rule_for_finished_pruned_failed(epoch, errored, expected):
     from raysweep.metrics import Horizon, TrialView
 
@@ -179,22 +181,20 @@ def test_time_to_target_is_interpolated_between_the_epochs_that_straddle_it_and_
     assert rank(list(trials), value, "val_exact_acc", "max") == ["slow", "fast", "best_never", "never"]
 
 
-def test_train_summary_is_printed_without_a_startup(tmp_path, capsys):
+def test_train_summary_is_printed_without_a_startup(capsys):
     """Bug: the conditional at the end of an implicitly joined f-string blanked the whole line."""
-    from conftest import tiny_spec, write_spec
-    from raysweep.config import load_config
     from raysweep.console import print_train_summary
-    from raysweep.metrics import TrialView
+    from raysweep.metrics import RunRecord
 
-    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
     last = {"epoch": 3, "train_loss": 3.1, "val_loss": 3.2, "val_exact_acc": 0.0, "val_char_acc": 0.1,
             "samples_per_s": 250.0}
-    best = TrialView("t1", "finished", config.default_knobs(), last)
-    print_train_summary(config, best, 192, 12.0, None)
+    best = RunRecord("r1", "t1", "finished", {"global_batch_size": "32", "peak_lr": "0.001"},
+                     {name: {3: value} for name, value in last.items()}, {}, 12.0)
+    print_train_summary(best, 12.0, None)
     line = capsys.readouterr().out.strip()
     assert line.startswith("summary: 3 epochs in 12s; global batch 32") and "started in" not in line
     phases = {"startup_s": 9.5, "startup_driver_s": 0.5, "startup_wait_s": 0.0, "startup_group_s": 7.0,
               "startup_data_s": 0.5, "startup_model_s": 0.5, "startup_probe_s": 1.0}
-    print_train_summary(config, best, 192, 12.0, phases)
+    print_train_summary(best, 12.0, phases)
     assert capsys.readouterr().out.strip().endswith(
         "started in 9.5s (driver 0.5 · wait 0.0 · group 7.0 · data 0.5 · model 0.5 · probe 1.0)")

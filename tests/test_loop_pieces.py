@@ -17,8 +17,8 @@ from raysweep.worker.step import train_one_epoch
 def _net(model, lr, precision="fp32", step_model=None):
     """A one-process RankModel around `model` (what RankModel.build makes on a worker)."""
     opt = build_optimizer(model, lr, 0.0, "cpu")
-    return RankModel(model if step_model is None else step_model, model, opt, torch.amp.GradScaler("cpu", enabled=False), precision,
-                     torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return RankModel(model if step_model is None else step_model, model, opt, scaler, precision, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("n, world, batches", [(512, 2, 8), (500, 3, 6), (50_000, 3, 17), (7, 2, 3)])
@@ -59,9 +59,14 @@ def _trial(batch=16, accum=1, n=96):
     )
 
 
-def test_one_process_epochs_lower_the_loss_and_count_steps():
+def _random_arrays(n):
+    """`n` random 24×64 images with random 4-character labels, the same every call."""
     rng = np.random.default_rng(0)
-    arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))
+    return CaptchaArrays(rng.integers(0, 255, (n, 24, 64), dtype=np.uint8), rng.integers(0, 36, (n, 4), dtype=np.uint8))
+
+
+def test_one_process_epochs_lower_the_loss_and_count_steps():
+    arrays = _random_arrays(96)
     trial = _trial()
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
     torch.manual_seed(0)
@@ -116,12 +121,8 @@ def test_accumulation_keeps_global_batch_and_step_count():
 
 
 def test_fast_loop_and_seed_loop_compute_the_same_loss_on_the_same_batch(tmp_path):
-    import sys
-
-    from conftest import ROOT
     from raysweep.data import read_folder, write_captcha_folder
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from seed_loop import PngCaptchas, copy_weights, seed_model, train_steps
 
     charset = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -149,8 +150,7 @@ def test_fast_loop_and_seed_loop_compute_the_same_loss_on_the_same_batch(tmp_pat
 
 
 def test_compile_trains_on_cpu():
-    rng = np.random.default_rng(0)
-    arrays = CaptchaArrays(rng.integers(0, 255, (64, 24, 64), dtype=np.uint8), rng.integers(0, 36, (64, 4), dtype=np.uint8))
+    arrays = _random_arrays(64)
     trial = _trial(batch=32, n=64)
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
     torch.manual_seed(0)
@@ -177,14 +177,14 @@ def test_auto_precision_on_cpu_follows_the_cpus_bf16_instructions():
 
 
 def test_bf16_autocast_trains_on_cpu_like_fp32():
-    rng = np.random.default_rng(0)
-    arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))
+    arrays = _random_arrays(96)
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
     trial = _trial()
     losses = {}
     for precision in ("fp32", "bf16"):
         torch.manual_seed(0)
-        net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0).to(memory_format=torch.channels_last), trial.peak_lr, precision)
+        model = CaptchaCNN(24, 64, 4, 36, dropout=0.0).to(memory_format=torch.channels_last)
+        net = _net(model, trial.peak_lr, precision)
         sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, 0, trial.total_steps)
         losses[precision] = [float(train_one_epoch(net, shard, sched, trial, epoch, 0).loss_sum) / 96
                              for epoch in (1, 2, 3)]

@@ -1,13 +1,9 @@
-import sys
-
 import pytest
 import torch
 
-from conftest import ROOT
 from raysweep.model import CaptchaCNN, keep_mask
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from seed_loop import copy_weights, seed_model  # noqa: E402
+from seed_loop import copy_weights, seed_model
 
 
 def test_output_shape_and_flat_size_from_image_size():

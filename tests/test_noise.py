@@ -23,6 +23,7 @@ from raysweep.worker.evaluate import EvalSums
 from raysweep.worker.noise_meter import GradNoiseMeter
 from raysweep.worker.reduce import reduce_metrics
 from raysweep.worker.step import TrainSums
+
 from ranks import run_ranks
 
 D, DELTA_SQ, SIGMA_SQ = 8, 1.0, 1.0
@@ -155,17 +156,18 @@ def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate(accum
     extra half-batch backward on every 4th step (BatchNorm's statistics and dropout's RNG put back), train the
     captcha model to the same weights as an unmeasured run, and the epoch's metrics carry B_noise (fp32, one rank)."""
     import numpy as np
+    from test_loop_pieces import _net, _trial
 
     from raysweep.data import CaptchaArrays
     from raysweep.model import CaptchaCNN
     from raysweep.optim import build_scheduler
-    from test_loop_pieces import _net, _trial
     from raysweep.worker.evaluate import evaluate
     from raysweep.worker.shard import Shard
     from raysweep.worker.step import train_one_epoch
 
     rng = np.random.default_rng(0)
-    arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8), rng.integers(0, 36, (96, 4), dtype=np.uint8))
+    arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8),
+                           rng.integers(0, 36, (96, 4), dtype=np.uint8))
     shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
     trial = _trial(batch=16, accum=accum)
     weights, metrics = {}, None

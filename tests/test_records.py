@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from conftest import tiny_spec, write_spec
 from raysweep import drivers, storage, tracking
 from raysweep.cli import main
 from raysweep.config import load_config, spec_yaml
+
+from conftest import tiny_spec, write_spec
 
 
 def _client(uri):
@@ -56,23 +57,16 @@ def _open_sweep(tmp_path, spec_path, **tags):
 @pytest.mark.timeout(300)
 def test_an_exception_inside_the_sweep_ends_the_parent_and_the_running_trial_failed_with_the_cause(
         ray_cluster, tmp_path, monkeypatch):
-    from raysweep import console
+    from raysweep.callbacks import ConsoleEvents
 
-    real = console.make_console_callback
+    real = ConsoleEvents.on_trial_result
 
-    def failing(progress):
-        callback = real(progress)
-        on_result = callback.on_trial_result
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        real(self, iteration, trials, trial, result, **info)
+        if result.get("epoch") == 2:
+            raise RuntimeError("injected: the console broke at epoch 2")
 
-        def on_trial_result(iteration, trials, trial, result, **info):
-            on_result(iteration, trials, trial, result, **info)
-            if result.get("epoch") == 2:
-                raise RuntimeError("injected: the console broke at epoch 2")
-
-        callback.on_trial_result = on_trial_result
-        return callback
-
-    monkeypatch.setattr(console, "make_console_callback", failing)
+    monkeypatch.setattr(ConsoleEvents, "on_trial_result", on_trial_result)
     spec = write_spec(tmp_path, tiny_spec(tmp_path, train={"epochs": 4, "reference_batch_size": 64}))
     with pytest.raises(Exception, match="injected|Tune run failed"):
         main(["tune", str(spec)])
@@ -85,21 +79,24 @@ def test_an_exception_inside_the_sweep_ends_the_parent_and_the_running_trial_fai
 
 def test_mlflow_writes_leave_tunes_loop_at_once_land_in_order_and_only_then_tell_the_slots(tmp_path, monkeypatch):
     """Tune's loop never waits on the store: with every MLflow write held back, the callback's events return at
-    once; released, the writes land in the order Tune saw them, and only a written epoch is announced to the
-    slots (a checkpoint waits for it: slots.Broker.recorded_through). A store that blinks within mlflow.retry_s
-    loses nothing (the epoch lands once); one that fails past it fails the next event."""
+    once; released, the writes land in the order Tune saw them (the epochs held meanwhile in one write), and only a
+    written epoch is announced to the slots (a checkpoint waits for it: slots.Broker.recorded_through). A store
+    that blinks within mlflow.retry_s loses nothing (the epoch lands once); one that fails past it fails the next
+    event."""
     import threading
     from types import SimpleNamespace
 
     from mlflow.tracking import MlflowClient
+
+    from raysweep.callbacks import MLflowEvents
 
     spec = write_spec(tmp_path, tiny_spec(tmp_path, mlflow={"retry_s": 3}))
     config = load_config(spec)
     uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
     experiment_id, parent = tracking.open_sweep(uri, config.experiment_name, "sweep", {}, spec_yaml(config))
     stored = []
-    callback = tracking.make_mlflow_callback(uri, experiment_id, parent, config, 64,
-                                             lambda trial_id, epoch: stored.append((trial_id, epoch)))
+    callback = MLflowEvents(tracking.TrialRuns(uri, experiment_id, parent), config.trials, 64, config.horizon,
+                            config.mlflow.retry_s, lambda trial_id, epoch: stored.append((trial_id, epoch)))
     gate, real = threading.Event(), MlflowClient.log_batch
 
     def held(self, *args, **kwargs):
@@ -107,7 +104,7 @@ def test_mlflow_writes_leave_tunes_loop_at_once_land_in_order_and_only_then_tell
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(MlflowClient, "log_batch", held)
-    trial = SimpleNamespace(trial_id="t1", config=config.default_knobs())
+    trial = SimpleNamespace(trial_id="t1", config=config.trials.default_knobs())
 
     def events():
         callback.on_trial_start(0, [], trial)
@@ -123,7 +120,8 @@ def test_mlflow_writes_leave_tunes_loop_at_once_land_in_order_and_only_then_tell
     run_id = callback.get_state()["runs"]["t1"]
     history = _client(uri).get_metric_history(run_id, "train_loss")
     assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
-    assert stored == [("t1", 1), ("t1", 2), ("t1", 2), ("t1", 3)]
+    # the reports held meanwhile went in one write (one log_batch per run per turn of the writer), then announced
+    assert stored == [("t1", 3)]
     assert callback.get_state()["logged"] == {"t1": 3}
 
     blinks = []
@@ -181,6 +179,44 @@ def test_the_heartbeat_refreshes_while_the_sweep_runs(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# How a trial's run ends, and how the store reads it back: one pair (metrics.run_ending, metrics.outcome_of_run)
+
+
+@pytest.mark.parametrize("outcome, extra, status, tags", [
+    ("finished", {}, "FINISHED", {}),
+    ("pruned", {"epoch": 4}, "KILLED", {"stopped_by": "asha", "stopped_at_epoch": "4"}),
+    ("failed", {"failure": "oom", "error": "CUDA out of memory"}, "FAILED",
+     {"error": "CUDA out of memory", "failure": "oom"}),
+])
+def test_a_trials_outcome_is_written_as_a_run_status_and_tags_and_read_back(outcome, extra, status, tags):
+    from raysweep.metrics import outcome_of_run, run_ending
+
+    ending = run_ending(outcome, **extra)
+    assert (ending.status, ending.tags) == (status, tags)
+    assert outcome_of_run(*ending) == outcome
+
+
+def test_runs_no_trial_ended_read_as_running_or_interrupted_and_an_ending_needs_what_it_writes():
+    from raysweep.metrics import ERROR_TAG_CHARS, outcome_counts, outcome_of_run, run_ending
+
+    assert outcome_of_run("RUNNING", {}) == "running"
+    assert outcome_of_run("KILLED", {"interrupted": "true"}) == "interrupted"  # tracking's end_sweep: Ctrl-C
+    assert outcome_of_run("SCHEDULED", {}) == "interrupted"
+    assert len(run_ending("failed", failure="error", error="x" * 9000).tags["error"]) == ERROR_TAG_CHARS
+    with pytest.raises(ValueError, match="give finished, pruned, or failed with its failure kind and error line"):
+        run_ending("failed", failure="oom")
+    with pytest.raises(ValueError, match="no run ending for outcome 'running'"):
+        run_ending("running")
+
+    class Trial:
+        def __init__(self, status):
+            self.status = status
+
+    counts = outcome_counts([Trial(s) for s in ("finished", "pruned", "finished", "interrupted")])
+    assert counts == {"finished": 2, "pruned": 1, "failed": 0, "interrupted": 1, "running": 0}
+
+
+# ---------------------------------------------------------------------------------------------
 # --resume checks before it works
 
 
@@ -207,7 +243,7 @@ def test_resume_of_a_folder_without_a_tune_experiment_is_one_line_before_ray(tmp
 
 def test_resume_refuses_a_changed_spec_naming_the_keys_and_a_sweep_whose_driver_still_runs(tmp_path, capsys,
                                                                                          no_ray_no_data):
-    from raysweep.sweep import check_resume
+    from raysweep.resume import check_resume
 
     spec = write_spec(tmp_path, tiny_spec(tmp_path))
     uri, experiment_path, parent, _ = _open_sweep(tmp_path, spec)
@@ -243,7 +279,9 @@ def test_report_refuses_a_folder_of_other_files_and_writes_only_its_own(tmp_path
     capsys.readouterr()  # MLflow's own INFO lines from creating the store here
     assert main(["report", str(spec), "--out", str(project)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"report folder {project}: it holds files raysweep did not write (.git, mlflow.db" in err[0]
+    assert len(err) == 1 and (
+        f"report folder {project}: it holds files raysweep did not write (.git, mlflow.db" in err[0]
+    )
     assert (project / "trials" / "mine.txt").read_text() == "a user's file"  # nothing deleted
 
     out = tmp_path / "report"

@@ -6,6 +6,7 @@ RAYSWEEP_REQUIRE_BROWSER=1: there a missing browser fails). Screenshots are kept
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -19,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_spec, write_spec
 from raysweep.cli import main
 
-PLOTS = ("metric_curves.png", "metric_time.png", "lr_schedule.png", "batch_lr.png", "throughput_memory.png", "noise_scale.png")
+from conftest import tiny_spec, write_spec
+
+PLOTS = ("metric_curves.png", "metric_time.png", "lr_schedule.png", "batch_lr.png", "throughput_memory.png",
+         "noise_scale.png")
 SWEEP = dict(
     train={"epochs": 2, "reference_batch_size": 64},
     search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16},
@@ -115,7 +118,8 @@ def test_report_rebuilds_everything_from_the_store_alone(sweep, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--experiment", "nope"], "report: no experiment 'nope' in sqlite:///"),
-    (["--experiment", "t", "--tracking-uri", "sqlite:////nonexistent/mlflow.db"], "report: no MLflow store at /nonexistent/mlflow.db"),
+    (["--experiment", "t", "--tracking-uri", "sqlite:////nonexistent/mlflow.db"],
+     "report: no MLflow store at /nonexistent/mlflow.db"),
 ])
 def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     store = tmp_path / "mlflow.db"
@@ -137,8 +141,9 @@ def test_report_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message
 
 def _finished_sweep(tmp_path):
     """A spec and its sweep in a fresh store: the parent run as `tune` opens it, ended."""
-    from raysweep import tracking
     from test_records import _open_sweep
+
+    from raysweep import tracking
 
     spec = write_spec(tmp_path, tiny_spec(tmp_path))
     uri, _, parent, _ = _open_sweep(tmp_path, spec)
@@ -198,6 +203,129 @@ def test_a_report_folder_is_claimed_only_while_it_holds_nothing_but_the_reports_
     with pytest.raises(UserError, match=r"did not write \(\.report\.html\.4242\.tmp, metric_curves\.png, "
                                         r"report\.html, …\)"):
         claim_folder(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# One table, three renderings (no Ray, no store: a sweep's record made by hand)
+
+
+SUMMARY_KEYS = ["trial_id", "run_id", "status", "baseline", "per_gpu_batch_size", "global_batch_size", "base_lr",
+                "peak_lr", "epoch", "val_loss", "delta_val_loss", "wall_s", "delta_wall_s", "samples_per_s",
+                "delta_samples_per_s", "grad_noise_scale", "train_seconds", "resolved_epochs", "time_to_target_s",
+                "epochs_to_target", "samples_to_target"]  # summary.json's fields, in order: its readers rely on them
+
+
+def _trial(i: int, status: str, batch: int, epochs: int, baseline: bool = False, **ending):
+    """A trial's record as tracking.load_sweep reads it: every metric per epoch, its params as MLflow's strings,
+    and the tags its run ended with (metrics.run_ending)."""
+    from raysweep.metrics import RunRecord, run_ending
+
+    ran = range(1, epochs + 1)
+    history = {"epoch": {e: float(e) for e in ran}, "val_loss": {e: 3.0 - 0.3 * e - 0.1 * i for e in ran},
+               "train_loss": {e: 3.1 - 0.3 * e for e in ran}, "val_exact_acc": {e: 0.1 * e for e in ran},
+               "val_char_acc": {e: 0.2 * e for e in ran}, "lr": {e: 1e-3 / e for e in ran},
+               "train_seconds": {e: 2.0 * e * (1 + i) for e in ran}, "samples_per_s": {e: 6.25 * batch for e in ran},
+               "rss_gb": {e: 1.5 for e in ran}, "grad_noise_scale": {e: 50.0 * e for e in ran}}
+    if epochs >= 2:  # reached the target in its second epoch
+        history["time_to_target_s"] = {e: 3.0 * (1 + i) for e in ran if e >= 2}
+        history["samples_to_target"] = {e: 300.0 * (1 + i) for e in ran if e >= 2}
+    params = {"per_gpu_batch_size": str(batch // 2), "global_batch_size": str(batch), "base_lr": "0.002",
+              "peak_lr": str(0.002 * batch / 64), "warmup_epochs": "1.0", "weight_decay": "0.0001",
+              "resolved_epochs": str(epochs), "micro_batch_size": str(batch // 2)}
+    tags = {"trial_id": f"t{i}", **(run_ending(status, epochs, **ending).tags if status != "running" else {})}
+    return RunRecord(f"run{i}", f"t{i}", status, params, history, tags, 10.0 * (i + 1), baseline)
+
+
+def _record(target: bool = True):
+    from raysweep.metrics import SweepRecord
+
+    trials = [_trial(0, "finished", 32, 3, baseline=True), _trial(1, "finished", 64, 3), _trial(2, "pruned", 32, 1),
+              _trial(3, "failed", 128, 1, failure="oom", error="CUDA out of memory")]
+    return SweepRecord("sqlite:///mlflow.db", "t", "1", "parent", "t 2024-01-01", "val_loss", "min", "tune: {}\n",
+                       trials, ("val_exact_acc", 0.2) if target else None)
+
+
+@pytest.mark.parametrize("target", [True, False])
+def test_the_summary_table_is_one_set_of_columns_printed_written_and_logged_alike(tmp_path, capsys, target):
+    """The console's table, report.html's and summary.json come from report/table.py's columns: the same headers
+    on the console and the page, the same values, `-` for a missing one on both; summary.json keeps its fields."""
+    from raysweep import console, report
+    from raysweep.report.table import MISSING, shown
+
+    record = _record(target)
+    built, trial_pngs = report.build(record, tmp_path / "report")
+    assert built.files == [*report.PLOTS, "report.html"] and set(trial_pngs) == {t.run_id for t in record.trials}
+    assert [row.trial.trial_id for row in built.rows] == (["t0", "t1", "t2"] if target else ["t1", "t0", "t2"])
+    summary = [row.as_dict(record.metric) for row in built.rows]
+    assert all(list(s) == SUMMARY_KEYS for s in summary)
+    t1 = next(s for s in summary if s["trial_id"] == "t1")
+    assert (t1["global_batch_size"], t1["delta_wall_s"], t1["time_to_target_s"]) == (64.0, 10.0, 6.0)
+
+    columns = shown(record)
+    headers = [c.header for c in columns]
+    assert headers[-1] == ("to val_exact_acc ≥ 0.2 s" if target else "train_s") and "Δval_loss" in headers
+    console.print_report(built)
+    out = capsys.readouterr().out
+    assert "t 2024-01-01 (experiment 't'): 4 trials, 2 finished, 1 pruned, 1 failed" in out
+    lines = out.splitlines()
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("trial "))):][:4]
+    assert table[0].split() == [w for h in headers for w in h.split()]
+    baseline_row = next(ln for ln in table if ln.startswith("t0 (baseline)"))
+    assert f" {MISSING} " in baseline_row and "+" not in baseline_row  # no delta against itself
+
+    page = (tmp_path / "report" / "report.html").read_text()
+    table = page.split('<table id="summary">')[1].split("</table>")[0]
+    titles = [html.escape(c.html_title) for c in columns[1:]]  # the page spells some headers out ("peak LR")
+    assert "<th>#</th><th>trial</th><th>status</th>" + "".join(f"<th>{h}</th>" for h in titles) in table
+    ranked_rows = [row for row in table.split("<tr")[2:] if not row.startswith(" class=other")]
+    assert len(ranked_rows) == 3 and not any("<td></td>" in row for row in ranked_rows)
+    assert f"<td>{MISSING}</td>" in next(row for row in ranked_rows if "(baseline)" in row)  # no delta to itself
+    assert "<td>failed oom</td><td colspan=" in table and "CUDA out of memory" in table
+
+
+def test_the_sweeps_closing_lines_come_from_the_store(tmp_path, capsys):
+    """`tune`'s summary counts the records the store holds, and what ASHA saved; `train`'s line is its trial's."""
+    from raysweep import console, report
+    from raysweep.config import load_config
+    from raysweep.metrics import Horizon
+
+    record = _record()
+    built = report.SweepReport(record, *report.summary_rows(record), None, [], str(tmp_path), [])
+    train = load_config(write_spec(tmp_path, tiny_spec(tmp_path))).train
+    console.print_sweep_summary(built, 42.0, Horizon("epoch", 3), train)
+    assert "sweep: 4 trials in 42s: 2 finished, 1 pruned by ASHA, 1 failed; 8 of 12 epochs run (4 saved)" in \
+        capsys.readouterr().out
+    console.print_sweep_summary(built, 42.0, Horizon("train_seconds", 20.0), train)
+    assert "; 32 of 80 training seconds run (48 saved)" in capsys.readouterr().out
+    console.print_train_summary(built.record.trials[0], 12.0)
+    assert capsys.readouterr().out.strip() == (
+        "summary: 3 epochs in 12s; global batch 32, peak LR 1.00e-03; final train_loss 2.2000, val_loss 2.1000, "
+        "val_exact_acc 0.300, val_char_acc 0.600; 200 samples/s (last epoch)")
+
+
+def test_the_probe_plot_is_drawn_beside_the_reports(tmp_path):
+    from types import SimpleNamespace
+
+    from raysweep.report.plots import probe_plot
+
+    rows = [SimpleNamespace(per_gpu_batch_size=b, fits=b < 64, peak_mem_reserved_gb=b / 16, images_per_s=10.0 * b)
+            for b in (16, 32, 64)]
+    result = SimpleNamespace(rows=rows, memory_key="peak_mem_reserved_gb", limit_gb=3.5, world_size=2,
+                             device_name="cpu", precision="fp32")
+    probe_plot(result, tmp_path / "probe.png")
+    assert (tmp_path / "probe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_trial_logs_the_params_metrics_py_names(tmp_path):
+    """metrics.TRIAL_PARAMS (what the report and console read by name) is what config's TrialConfig.params logs."""
+    from raysweep.config import load_config
+    from raysweep.metrics import TRIAL_PARAMS, names
+
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), sweep=False)
+    assert tuple(config.trials.trial({}, 192).params()) == TRIAL_PARAMS
+    assert names.val_loss == "val_loss" and names.peak_lr == "peak_lr"
+    with pytest.raises(AttributeError, match="'val_los' is not a metric or param name"):
+        _ = names.val_los
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,9 +392,9 @@ def mlflow_ui(sweep):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError("mlflow ui did not start")
+                    raise AssertionError("mlflow ui did not start") from e
                 time.sleep(0.5)
         yield port
     finally:

@@ -12,9 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, tiny_spec, write_spec
 from raysweep.cli import main
 
+from conftest import ROOT, tiny_spec, write_spec
+from process_tree import sigkill_driver
 
 _CLIENTS = {}
 
@@ -86,7 +87,8 @@ def _final_weights(train_storage, trial_id):
 
     from raysweep.worker.run import CHECKPOINT_FILE
 
-    states = [torch.load(f, weights_only=True) for f in train_storage.glob(f"trial-{trial_id}/checkpoint_*/{CHECKPOINT_FILE}")]
+    files = train_storage.glob(f"trial-{trial_id}/checkpoint_*/{CHECKPOINT_FILE}")
+    states = [torch.load(f, weights_only=True) for f in files]
     assert states, f"no checkpoint of trial {trial_id} under {train_storage}"
     return max(states, key=lambda s: s["epoch"])["model"]
 
@@ -163,7 +165,7 @@ def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
     import ray.cloudpickle as cloudpickle
     from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
-    from raysweep.sweep import make_rung_keeper
+    from raysweep.asha import RungKeeper
 
     class Trial:
         def __init__(self, trial_id):
@@ -172,7 +174,7 @@ def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
     def fresh():
         scheduler = ASHAScheduler(time_attr="epoch", metric="val_loss", mode="min", max_t=4, grace_period=1,
                                   reduction_factor=2)
-        return scheduler, make_rung_keeper(scheduler)
+        return scheduler, RungKeeper(scheduler)
 
     before, keeper = fresh()
     for trial_id, loss in (("a", 0.5), ("b", 0.4), ("c", 0.6)):
@@ -201,7 +203,7 @@ def test_resumed_asha_refills_its_rungs_from_the_store_past_tunes_last_save(tmp_
     from mlflow.tracking import MlflowClient
     from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
-    from raysweep.sweep import make_rung_keeper
+    from raysweep.asha import RungKeeper
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -221,7 +223,7 @@ def test_resumed_asha_refills_its_rungs_from_the_store_past_tunes_last_save(tmp_
     def fresh():
         scheduler = ASHAScheduler(time_attr="train_seconds", metric="val_loss", mode="min", max_t=8, grace_period=2,
                                   reduction_factor=2)
-        return scheduler, make_rung_keeper(scheduler, uri, parent)
+        return scheduler, RungKeeper(scheduler, uri, parent)
 
     saved = fresh()[1].get_state()  # Tune's last save came before any trial reached a rung
     scheduler, callback = cloudpickle.loads(cloudpickle.dumps(fresh()))
@@ -250,6 +252,7 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
     from torch import nn
 
     from raysweep.worker.run import TrainingRun
+
     from test_gpu import _data, _trial
 
     cuda = device_type == "cuda"
@@ -342,14 +345,11 @@ def _start_driver(spec_path, log_path, *extra):
 
 
 def _kill_tree(proc, sig):
-    """Send `sig` to the driver; with SIGKILL also stop what it started (a SIGKILLed driver leaves Ray's agents
-    behind, ppid 1: RAY_NOTES.md), by pid: the soak's own helper."""
+    """Send `sig` to the driver; with SIGKILL also stop what it started (Ray's agents can outlive it), by pid:
+    process_tree.sigkill_driver, which benchmarks/soak.py uses too."""
     if sig != signal.SIGKILL:
         os.kill(proc.pid, sig)
         return
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from soak import sigkill_driver
-
     sigkill_driver(proc)
 
 
@@ -381,6 +381,9 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
     # 1. Ctrl-C while a trial is at epoch 2: exit 130, the resume hint, nothing left RUNNING in MLflow
     driver = _start_driver(path, tmp_path / "run1.log")
     try:
+        # the driver creates and migrates the store before a trial starts: a client opened earlier migrates it too,
+        # and two processes migrating one SQLite file failed the driver (alembic's CommandError) on a busy machine
+        _wait_for(lambda: "] start " in (tmp_path / "run1.log").read_text(), 240, "the driver's first trial")
         _wait_for(_running_trial_at_epoch(tmp_path, 2), 240, "a trial at epoch 2")
         _kill_tree(driver, signal.SIGINT)
         assert driver.wait(timeout=120) == 130
@@ -444,7 +447,7 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
     assert all(len(v) == 4 for v in losses.values()) and len(set(map(str, losses.values()))) == 1, losses
     train = tmp_path / "results" / "t" / "train"
     first, *others = [_final_weights(train, r.info.run_name) for r in children]
-    for run, weights in zip(children[1:], others):
+    for run, weights in zip(children[1:], others, strict=True):
         _assert_twins(weights, first, f"trial {run.info.run_name}")
 
 

@@ -18,6 +18,7 @@ import torch._dynamo  # before any trial, as device.setup_device in a worker: it
 from raysweep.worker.device import release_trial_memory
 from raysweep.worker.run import TrainingRun
 from raysweep.worker.shard import Shard
+
 from test_gpu import FULL, NEEDS_CUDA, SMALL, _data, _trial
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,8 @@ def _held(run: TrainingRun) -> dict[str, weakref.ref]:
     """Weak references to what a trial builds and a slot must not keep."""
     net = run.net
     return {"model": weakref.ref(net.core), "optimizer": weakref.ref(net.optimizer),
-            "step": weakref.ref(net.train_step), "scheduler": weakref.ref(run.scheduler), "rank model": weakref.ref(net)}
+            "step": weakref.ref(net.train_step), "scheduler": weakref.ref(run.scheduler),
+            "rank model": weakref.ref(net)}
 
 
 @pytest.mark.parametrize("accum, compile", [
@@ -93,3 +95,48 @@ def test_a_released_trial_gives_the_gpu_back_to_the_groups_baseline(device):
     assert leftover <= 4 * 2**20, f"{leftover / 2**20:.1f} MiB still allocated after the trial"
     cached = torch.cuda.memory_reserved(device) - reserved
     assert cached <= 32 * 2**20, f"{cached / 2**20:.1f} MiB more reserved than before the trial"
+
+
+class _Broker:
+    """Stand-in for the broker's handle: what the slot's rank 0 tells it (SlotRank.ask is the identity here)."""
+
+    def __init__(self):
+        self.finished: list[tuple[int, dict | None]] = []
+        self.finish = self  # broker.finish.remote(seq, outcome)
+
+    def remote(self, seq, outcome):
+        self.finished.append((seq, outcome))
+
+
+def test_a_slots_failed_trial_goes_back_as_data_and_is_freed_by_reference_counting_alone(monkeypatch, tmp_path):
+    """SlotRank.run_trial, on one CPU rank with no Ray: a trial that fails (an OOM past the downshifts) reaches the
+    broker as data, and what it built goes when its run ends. The failure's traceback holds train_epochs' frame,
+    which holds the run and links back to the frame that kept the failure: kept there, a reference cycle."""
+    import ray.train.torch
+
+    from raysweep.worker import entry, faults
+
+    monkeypatch.setattr(ray.train.torch, "prepare_model", lambda model: model)  # no Ray Train session here
+    monkeypatch.setattr(faults, "FAULTS", faults.FaultInjection(oom_above=0))  # every micro-batch runs out of memory
+    held: dict[str, weakref.ref] = {}
+    build = entry.TrainingRun.build
+
+    def build_and_watch(*args, **kwargs):
+        run = build(*args, **kwargs)  # its step is built by the probe, later
+        held.update(run=weakref.ref(run), model=weakref.ref(run.net.core), optimizer=weakref.ref(run.net.optimizer),
+                    scheduler=weakref.ref(run.scheduler))
+        return run
+
+    monkeypatch.setattr(entry.TrainingRun, "build", build_and_watch)
+    device, broker = torch.device("cpu"), _Broker()
+    config = {"broker": broker, "slot": 0, "decision_wait_s": 1.0, "store_wait_s": 1.0}
+    slot = entry.SlotRank(config, entry.Rank(0, 1, device, _data(64), "n1"), group_started=0.0)
+    slot.ask = lambda ref, wait_s=0.0: ref
+    trial = _trial(n=64, batch=16, epochs=1).to_dict()
+    gc.collect()  # what earlier tests left in cycles is not this test's
+    with no_cycle_collection():
+        slot.run_trial({"seq": 1, "trial_id": "a", "trial": trial, "run_dir": str(tmp_path)}, fresh=True)
+        alive = sorted(name for name, ref in held.items() if ref() is not None)
+    assert held and not alive, f"kept alive after the trial ended (a reference cycle): {alive}"
+    ((seq, outcome),) = broker.finished
+    assert seq == 1 and outcome["kind"] == "oom" and "downshifts" in outcome["message"]

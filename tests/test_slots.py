@@ -1,5 +1,6 @@
-"""The warm worker groups' broker (raysweep/slots.py), driven as Tune's trials and a slot's rank 0 drive it, with a
-stand-in for Ray Train's fit(); and the start-up and busy figures. The same broker on Ray runs every sweep test."""
+"""The warm worker groups' broker (raysweep/slots/broker.py), driven as Tune's trials and a slot's rank 0 drive it,
+with a stand-in for Ray Train's fit(); and the start-up and busy figures. The same broker on Ray runs every sweep
+test."""
 
 import asyncio
 
@@ -127,7 +128,8 @@ def test_a_slot_whose_group_cannot_start_fails_its_trial_with_the_cause():
         seq = await b.submit("a", trial(), "/runs/a", 3)
         polled = await b.poll("a", seq, 0, wait_s=5)
         failure = polled["failure"]
-        assert polled["done"] and "startup timed out" in failure["message"] and "worker group lost" in failure["message"]
+        assert polled["done"] and "startup timed out" in failure["message"]
+        assert "worker group lost" in failure["message"]
         assert failure["kind"] == "infra"  # not the trial's fault: its relay submits it again
         assert b.slots == {}
 
@@ -180,9 +182,9 @@ def test_set_up_failures_count_in_a_row_and_a_failure_mid_trial_is_a_restart_not
 
 
 def test_an_idle_slot_with_nothing_queued_leaves_after_keep_warm_s(monkeypatch):
-    import raysweep.slots as slots
+    import raysweep.slots.broker as broker  # the module Broker reads it from
 
-    monkeypatch.setattr(slots, "ASK_WAIT_S", 0.05)
+    monkeypatch.setattr(broker, "ASK_WAIT_S", 0.05)
 
     async def go():
         b = Broker(1, Fits().launch, keep_warm_s=0.2)
@@ -241,15 +243,17 @@ def test_a_slot_waits_for_tunes_decision_only_at_the_epochs_where_asha_decides(t
     trial's ack, or its end), so a cut trial trains no epoch past its rung."""
     from ray.tune.schedulers import TrialScheduler
 
-    from conftest import tiny_spec, write_spec
+    from raysweep.asha import AshaPlan
     from raysweep.config import load_config
-    from raysweep.sweep import asha, decision_points
+
+    from conftest import tiny_spec, write_spec
 
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), ["train.epochs=8", "tune.asha.grace_period=1",
                                                                     "tune.asha.reduction_factor=2"])
-    scheduler = asha(config)
+    plan = AshaPlan.of(config)
+    scheduler = plan.scheduler()
     scheduler.set_search_properties(config.tune.metric, "min")
-    epochs = decision_points(scheduler, config)
+    epochs = plan.decision_points
     assert epochs == (1, 2, 4, 8)
 
     class Trial:  # what ASHA reads of a trial
@@ -294,15 +298,16 @@ def test_asha_in_seconds_decides_on_train_seconds_and_a_slot_waits_where_they_cr
     a rung."""
     from ray.tune.schedulers import TrialScheduler
 
-    from conftest import tiny_spec, write_spec
+    from raysweep.asha import AshaPlan
     from raysweep.config import load_config
-    from raysweep.sweep import asha, decision_points
+
+    from conftest import tiny_spec, write_spec
 
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), [
         "train.epochs=40", "train.time_budget_s=64", "tune.asha.unit=seconds", "tune.asha.grace_period=8",
         "tune.asha.reduction_factor=2"])
     assert (config.time_attr, config.max_t) == ("train_seconds", 64)
-    points = decision_points(asha(config), config)
+    points = AshaPlan.of(config).decision_points
     assert points == (8, 16, 32, 64)  # grace × 2^k up to max_t, in seconds
 
     class Trial:
@@ -310,7 +315,7 @@ def test_asha_in_seconds_decides_on_train_seconds_and_a_slot_waits_where_they_cr
             self.trial_id, self.config = trial_id, {}
 
     def decisions(unit_config, pace):
-        scheduler = asha(unit_config)
+        scheduler = AshaPlan.of(unit_config).scheduler()
         scheduler.set_search_properties("val_loss", "min")
         for name in ("fast0", "fast1", "slow"):
             scheduler.on_trial_add(None, Trial(name))

@@ -2,13 +2,14 @@
 
 import pytest
 
-from conftest import tiny_spec, write_spec
 from raysweep.cli import main
+from raysweep.cluster import plan_concurrency
 from raysweep.config import load_config
 from raysweep.errors import UserError
-from raysweep.cluster import plan_concurrency
 from raysweep.sweep import search_space
 from raysweep.tracking import resolve_tracking_uri
+
+from conftest import tiny_spec, write_spec
 
 SWEEP = dict(
     train={"epochs": 4, "reference_batch_size": 64},
@@ -27,7 +28,6 @@ SWEEP = dict(
 def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
     from ray.tune import ExperimentAnalysis
-
     from ray.util.state import list_actors
 
     before = {a.actor_id for a in list_actors(limit=10_000, raise_on_missing_output=False)}  # other tests' actors
@@ -214,7 +214,8 @@ def test_plan_for_three_gpus_three_workers(tmp_path):
 
 
 def test_plan_respects_cpus_cap_and_trial_drivers(tmp_path):
-    config = load_config_from(tmp_path, {"scaling": {"num_workers": 2, "cpus_per_worker": 2}, "tune": {"max_concurrent_trials": 3}})
+    config = load_config_from(tmp_path, {"scaling": {"num_workers": 2, "cpus_per_worker": 2},
+                                         "tune": {"max_concurrent_trials": 3}})
     assert plan_concurrency({"CPU": 32, "trial_driver": 64}, config, 10).trials_at_once == 3  # capped
     assert plan_concurrency({"CPU": 8, "trial_driver": 64}, config, 10).trials_at_once == 2  # CPUs
     assert plan_concurrency({"CPU": 32, "trial_driver": 1}, config, 10).trials_at_once == 1  # drivers
@@ -284,4 +285,5 @@ def test_large_batch_spec_is_the_users_sweep():
     assert config.search.per_gpu_batch_size.choice == [256, 512, 768, 1024]
     assert config.search.base_lr.loguniform == (1e-4, 3e-3) and config.train.lr_rule == "sqrt"
     assert config.search.warmup_epochs.randint == (0, 10) and config.tune.asha.grace_period >= 10
-    assert (config.train.epochs, config.data.synthetic.train_size, config.data.synthetic.val_size) == (150, 50_000, 5_000)
+    assert (config.train.epochs, config.data.synthetic.train_size, config.data.synthetic.val_size) \
+        == (150, 50_000, 5_000)

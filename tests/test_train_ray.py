@@ -5,10 +5,11 @@ import time
 
 import pytest
 
-from conftest import tiny_spec, write_spec
 from raysweep.cli import main
 from raysweep.config import load_config
 from raysweep.metrics import METRIC_NAMES, TARGET_NAMES
+
+from conftest import tiny_spec, write_spec
 
 pytestmark = pytest.mark.ray
 
@@ -77,12 +78,15 @@ def test_train_command_three_epochs_two_workers(ray_cluster, tmp_path, capsys):
 
 
 def _fit(tmp_path, name, overrides, data_ref):
-    """Fit one TorchTrainer; returns the trial and every report rank 0 made, in order."""
+    """Fit one TorchTrainer of one trial (tests/one_trial.py); returns the trial and every report rank 0 made, in
+    order."""
     import json
 
     import ray.train
 
     from raysweep.cluster import make_trainer
+
+    from one_trial import one_trial_worker
 
     log = tmp_path / f"{name}.reports.jsonl"
 
@@ -93,8 +97,8 @@ def _fit(tmp_path, name, overrides, data_ref):
 
     log.unlink(missing_ok=True)
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)), overrides)
-    trial = config.trial(config.default_knobs(), train_size=192)
-    make_trainer(trial, data_ref, str(tmp_path / "runs"), name, [RecordReports()]).fit()
+    trial = config.trials.trial(config.trials.default_knobs(), train_size=192)
+    make_trainer(trial, data_ref, str(tmp_path / "runs"), name, [RecordReports()], worker_fn=one_trial_worker).fit()
     return trial, [json.loads(line) for line in log.read_text().splitlines()]
 
 

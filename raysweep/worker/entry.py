@@ -1,12 +1,19 @@
 """The Ray Train entry point of every rank: the only worker module that talks to Ray.
 
 Ray is imported inside the functions: the rest of the worker runs (and is tested) in a plain process.
+
+    slot_worker     every rank of a warm worker group: set up once, then the broker's trials one after another
+    start_rank      a rank's set-up, once per group (device, compile caches, data, nodes)
+    SlotRank        one rank of a slot's group across its trials: rank 0's calls to the broker, one trial's run
+    train_epochs    the epoch loop every rank runs for a trial
+    save_checkpoint, load_latest, last_checkpoint_epoch: a trial's own checkpoints, in its folder
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,34 +34,170 @@ log = logging.getLogger(__name__)
 BROKER_ANSWER_S = 30.0
 
 
-def train_worker(config: dict) -> None:
-    """Every rank of one trial on a group of its own, from epoch 1 (`cluster.make_trainer`'s default: the
-    benchmarks' cold start and the tests that fit one trainer); a sweep's trials run on warm groups instead
-    (`slot_worker`), which keep their checkpoints and resume. `config` = {"trial": TrialConfig dict, "data":
-    ObjectRef, "compile_cache": the sweep's compile cache (compile_cache.py)}."""
+def slot_worker(config: dict) -> None:
+    """Every rank of a warm worker group (raysweep/slots/): set up once, then run the trials the sweep's broker
+    hands this slot, one after another, until the slot is retired. `config` = {"trial": the first trial's
+    TrialConfig dict (the group's shape), "data": ObjectRef, "broker", "slot": its number, "compile_cache",
+    "decision_wait_s", "store_wait_s": how long the broker may hold a report (slots.Broker.report) and a checkpoint
+    (Broker.recorded_through)}.
+
+    What a trial builds is its own (model, optimizer, schedule, restore from its folder's checkpoint); the
+    processes, the process group, the device, the data on it and the compile caches stay. Rank 0 talks to the
+    broker; the others learn its answers by a broadcast, so every rank runs the same trial and stops at the same
+    epoch.
+    """
+    group_started = time.time()
+    me = SlotRank(config, start_rank(config), group_started)
+    me.tell_placement()
+    after = None  # the last assignment this group took (None: it just started)
+    while True:
+        assignment = me.next_assignment(after)
+        if assignment is None:
+            continue  # nothing to run yet: ask again
+        if assignment.get("retire"):
+            return
+        fresh, after = after is None, assignment["seq"]
+        me.run_trial(assignment, fresh)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """What a rank of a worker group sets up once, whatever it then runs."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    data: object  # data.CaptchaData, zero-copy from the node's object store
+    nodes: str  # every rank's node id, by rank, comma-separated (the trial's `nodes` param)
+
+
+def start_rank(config: dict) -> Rank:
+    """A rank's set-up, once per group: Ray Train's logs, the device, the compile caches, the data, the nodes.
+    `config`: the trainer's train_loop_config ("data": ObjectRef, "compile_cache": compile_cache.py's)."""
     import ray
     import ray.train
     import ray.train.torch
 
-    trial = TrialConfig.from_dict(config["trial"])
     quiet_ray_train_logs()
     ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    data = ray.get(config["data"])  # zero-copy from the node's object store
     device = ray.train.torch.get_device()
     setup_device(device)
+    FAULTS.check_setup()
     compile_cache.load_artifacts(config.get("compile_cache"))
-    run = TrainingRun.build(trial, data, rank, ctx.get_world_size(), device, wrap=ray.train.torch.prepare_model)
-    run.nodes = gather_strings(ray.get_runtime_context().get_node_id())
-    del data
+    data = ray.get(config["data"])  # zero-copy from the node's object store
+    nodes = gather_strings(ray.get_runtime_context().get_node_id())
+    return Rank(ctx.get_world_rank(), ctx.get_world_size(), device, data, nodes)
 
-    def send(payload: dict, epoch: int | None) -> bool:
-        ray.train.report(payload)  # every rank: it is a collective
-        return True
 
-    failure = train_epochs(run, 1, send, config.get("compile_cache"))[1]
-    if failure is not None:  # no broker to hand it to: the fit() fails with it
-        raise failure
+class SlotRank:
+    """One rank of a slot's warm group across its trials: what stays (its Rank, the data's shards on the device,
+    the largest micro-batch a trial has trained here), rank 0's calls to the broker, and one trial's run."""
+
+    def __init__(self, config: dict, me: Rank, group_started: float):
+        """`config`: slot_worker's; `me`: this rank's set-up (start_rank); `group_started`: when it began."""
+        self.broker, self.slot = config["broker"], config["slot"]
+        self.decision_wait_s = config["decision_wait_s"]  # slots.broker.DECISION_WAIT_S
+        self.store_wait_s = config["store_wait_s"]  # mlflow.retry_s: how long the store may blink
+        self.cache = config.get("compile_cache")
+        self.me, self.group_started = me, group_started
+        self.shards: dict[int, tuple[Shard, Shard]] = {}  # by number of classes: on the device once per group
+        # the largest micro-batch a trial has trained in this group: later ones that fit skip the OOM probe
+        self.proven = 0
+
+    def tell_placement(self) -> None:
+        """Rank 0: tell the broker the group's placement group (a slot whose host is lost has it removed,
+        Broker.group_placement)."""
+        if self.me.rank == 0:
+            from ray.util import get_current_placement_group
+
+            self.broker.group_placement.remote(self.slot, get_current_placement_group())
+
+    def ask(self, ref, wait_s: float = 0.0):
+        """Rank 0: the answer of a call to the broker. Every call has a deadline: a broker that is gone raises at
+        once (ActorDiedError), one that no longer answers raises here, and either way this group ends instead of
+        waiting forever."""
+        import ray
+
+        return ray.get(ref, timeout=BROKER_ANSWER_S + wait_s)
+
+    def next_assignment(self, after: int | None) -> dict | None:
+        """Every rank: what the group runs next (slots.Broker.next_assignment), as rank 0 heard it."""
+        answer = self.ask(self.broker.next_assignment.remote(self.slot, after)) if self.me.rank == 0 else None
+        return broadcast_object(answer, self.me.device)
+
+    def run_trial(self, assignment: dict, fresh: bool) -> None:
+        """Every rank: one assignment, start to end; then what it built goes and rank 0 tells the broker how it
+        ended. `fresh`: the group's first trial (its start-up includes the group's)."""
+        outcome = self._train(assignment, fresh)
+        # the next trial starts as on a fresh group (no cycle keeps this one's model)
+        release_trial_memory(self.me.device)
+        if self.me.rank == 0:
+            self.ask(self.broker.finish.remote(assignment["seq"], outcome))
+
+    def _train(self, assignment: dict, fresh: bool) -> dict | None:
+        """Build the trial, restore it from its folder's checkpoint, train it; returns how it failed (None: it did
+        not). What it built is this call's alone: it goes when the call returns (tests/test_slot_memory.py)."""
+        import ray.train.torch
+
+        picked = time.time()
+        trial = TrialConfig.from_dict(assignment["trial"])
+        shards = self._shards(trial.image.num_classes)
+        data_ready = time.time()
+        run = TrainingRun.build(trial, None, self.me.rank, self.me.world_size, self.me.device,
+                                wrap=ray.train.torch.prepare_model, shards=shards)
+        run.nodes = self.me.nodes
+        run_dir = assignment["run_dir"]
+        start_epoch = run.restore(load_latest(run_dir, self.me.device))
+        stamps = {"model_ready": time.time()}
+        if fresh and assignment.get("slot_opened_at") is not None:  # the group was built for this trial
+            stamps.update(slot_asked=assignment["slot_opened_at"], group_started=self.group_started,
+                          data_ready=data_ready)
+        else:  # a warm group: it only had to hear of the trial
+            stamps.update(slot_asked=picked, group_started=picked, data_ready=picked)
+        send = self._sender(run, run_dir, assignment["seq"], stamps)
+        trained, failure = train_epochs(run, start_epoch, send, self.cache,
+                                        on_probed=lambda: stamps.update(probed=time.time()), proven=self.proven)
+        if trained:
+            self.proven = max(self.proven, run.micro_batch)
+        # the failure as data (its kind reaches Tune and MLflow as it is, failures.py); the exception itself goes
+        # now: its traceback holds train_epochs' frame, which holds the run and links back to this frame (f_back):
+        # kept to the end of this call, that is a reference cycle, and the run would wait for the cyclic collector
+        outcome = failure.as_dict() if failure is not None else None
+        del failure
+        return outcome
+
+    def _shards(self, classes: int) -> tuple[Shard, Shard]:
+        """The data on the device for trials with `classes` classes: built by the first such trial, kept."""
+        if classes not in self.shards:
+            me = self.me
+            self.shards[classes] = (Shard.build(me.data.train, me.rank, me.world_size, classes, me.device),
+                                    Shard.build(me.data.val, me.rank, me.world_size, classes, me.device))
+        return self.shards[classes]
+
+    def _sender(self, run: TrainingRun, run_dir: str, seq: int, timeline: dict | None):
+        """train_epochs' `send` for one assignment: rank 0 checkpoints where due and reports to the broker (the
+        start-up `timeline` with the first trained epoch); every rank gets its answer, whether to go on."""
+        def send(payload: dict, epoch: int | None) -> bool:
+            nonlocal timeline
+            due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch >= run.epochs
+                                         or run.stops_at_target)
+            go = True
+            if self.me.rank == 0:
+                # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
+                # at once (MLflow wrote the last epoch while this one trained)
+                if due and not self.ask(self.broker.recorded_through.remote(seq, epoch - 1, self.store_wait_s),
+                                        self.store_wait_s):
+                    go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
+                else:
+                    if due:
+                        save_checkpoint(run_dir, epoch, run.state(epoch, payload))
+                    go = self.ask(self.broker.report.remote(seq, payload, timeline if epoch is not None else None,
+                                                            epoch is None), self.decision_wait_s)
+                if epoch is not None:
+                    timeline = None
+            return agree(go, self.me.device)
+
+        return send
 
 
 def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on_probed=None,
@@ -89,108 +232,6 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         return trained, failure
     return trained, None
-
-
-def slot_worker(config: dict) -> None:
-    """Every rank of a warm worker group (raysweep/slots.py): set up once, then run the trials the sweep's broker
-    hands this slot, one after another, until the slot is retired. `config` = {"trial": the first trial's
-    TrialConfig dict (the group's shape), "data": ObjectRef, "broker", "slot": its number, "compile_cache",
-    "decision_wait_s", "store_wait_s": how long the broker may hold a report (slots.Broker.report) and a checkpoint
-    (Broker.recorded_through)}.
-
-    What a trial builds is its own (model, optimizer, schedule, restore from its folder's checkpoint); the
-    processes, the process group, the device, the data on it and the compile caches stay. Rank 0 talks to the
-    broker; the others learn its answers by a broadcast, so every rank runs the same trial and stops at the same
-    epoch.
-    """
-    import ray
-    import ray.train
-    import ray.train.torch
-
-    group_started = time.time()
-    quiet_ray_train_logs()
-    ctx = ray.train.get_context()
-    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    broker, slot = config["broker"], config["slot"]
-    device = ray.train.torch.get_device()
-    setup_device(device)
-    FAULTS.check_setup()
-    compile_cache.load_artifacts(config.get("compile_cache"))
-    data = ray.get(config["data"])  # zero-copy from the node's object store
-    nodes = gather_strings(ray.get_runtime_context().get_node_id())
-    if rank == 0:  # the group's placement group: a slot whose host is lost has it removed (Broker.group_placement)
-        from ray.util import get_current_placement_group
-
-        broker.group_placement.remote(slot, get_current_placement_group())
-    decision_wait_s = config["decision_wait_s"]  # slots.DECISION_WAIT_S
-    store_wait_s = config["store_wait_s"]  # mlflow.retry_s: how long the store may blink
-
-    def ask(ref, wait_s: float = 0.0):
-        return ray.get(ref, timeout=BROKER_ANSWER_S + wait_s)
-
-    shards: dict[int, tuple[Shard, Shard]] = {}  # by number of classes: on the device once per group
-    after, fresh = None, True
-    proven = 0  # the largest micro-batch a trial has trained in this group: later ones that fit skip the OOM probe
-    while True:
-        # every call to the broker has a deadline: a broker that is gone raises at once (ActorDiedError), one that
-        # no longer answers raises here, and either way this group ends instead of waiting forever
-        assignment = broadcast_object(ask(broker.next_assignment.remote(slot, after)) if rank == 0 else None, device)
-        if assignment is None:
-            continue  # nothing to run yet: ask again
-        if assignment.get("retire"):
-            return
-        after = assignment["seq"]
-        picked = time.time()
-        trial = TrialConfig.from_dict(assignment["trial"])
-        classes = trial.image.num_classes
-        if classes not in shards:
-            shards[classes] = (Shard.build(data.train, rank, world_size, classes, device),
-                               Shard.build(data.val, rank, world_size, classes, device))
-        data_ready = time.time()
-        run = TrainingRun.build(trial, None, rank, world_size, device, wrap=ray.train.torch.prepare_model,
-                                shards=shards[classes])
-        run.nodes = nodes
-        run_dir = assignment["run_dir"]
-        start_epoch = run.restore(load_latest(run_dir, device))
-        stamps = {"model_ready": time.time()}
-        if fresh and assignment.get("slot_opened_at") is not None:  # the group was built for this trial
-            stamps.update(slot_asked=assignment["slot_opened_at"], group_started=group_started, data_ready=data_ready)
-        else:  # a warm group: it only had to hear of the trial
-            stamps.update(slot_asked=picked, group_started=picked, data_ready=picked)
-        fresh = False
-        seq, timeline = assignment["seq"], stamps
-
-        def send(payload: dict, epoch: int | None, run=run, run_dir=run_dir, seq=seq) -> bool:
-            nonlocal timeline
-            due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch >= run.epochs
-                                         or run.stops_at_target)
-            go = True
-            if rank == 0:
-                # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
-                # at once (MLflow wrote the last epoch while this one trained)
-                if due and not ask(broker.recorded_through.remote(seq, epoch - 1, store_wait_s), store_wait_s):
-                    go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
-                else:
-                    if due:
-                        save_checkpoint(run_dir, epoch, run.state(epoch, payload))
-                    go = ask(broker.report.remote(seq, payload, timeline if epoch is not None else None,
-                                                  epoch is None), decision_wait_s)
-                if epoch is not None:
-                    timeline = None
-            return agree(go, device)
-
-        trained, failure = train_epochs(run, start_epoch, send, config.get("compile_cache"),
-                                        on_probed=lambda: stamps.update(probed=time.time()), proven=proven)
-        if trained:
-            proven = max(proven, run.micro_batch)
-        # the failure as data (its kind reaches Tune and MLflow as it is, failures.py); the exception itself goes:
-        # its traceback holds train_epochs' frame, and with it the run
-        outcome = failure.as_dict() if failure is not None else None
-        del run, send, failure
-        release_trial_memory(device)  # the next trial starts as on a fresh group (no cycle keeps this one's model)
-        if rank == 0:
-            ask(broker.finish.remote(seq, outcome))
-
 
 # raysweep's own checkpoints of a trial on a warm group, in the trial's folder: checkpoint_<epoch>/state.pt, the
 # newest KEPT_CHECKPOINTS kept
@@ -239,7 +280,8 @@ def last_checkpoint_epoch(run_dir: str) -> int:
 
 
 def quiet_ray_train_logs() -> None:
-    """The per-report INFO line ignores LoggingConfig: its logger is named by file path (RAY_NOTES.md)."""
+    """The per-report INFO line ignores LoggingConfig: its logger is named by file path
+    (ray/train/v2/_internal/execution/context.py: `logging.getLogger(__file__)`)."""
     try:
         import ray.train.v2._internal.execution.context as context
 

@@ -34,7 +34,8 @@ def reduce_metrics(train: TrainSums, val: EvalSums, *, train_time_s: float, epoc
     s = all_reduce_named({
         "train_loss": train.loss_sum, "train_samples": train.samples, "val_loss": val.loss_sum,
         "val_samples": val.samples, "val_exact": val.exact, "val_chars": val.chars, "val_char_total": val.char_total,
-        "grad_norm": train.grad_norm_sum, "clipped_steps": train.clipped_steps, "optimizer_steps": train.optimizer_steps,
+        "grad_norm": train.grad_norm_sum, "clipped_steps": train.clipped_steps,
+        "optimizer_steps": train.optimizer_steps,
         "noise_small": train.noise_small, "noise_big": train.noise_big, "noise_steps": train.noise_steps,
     }, dist.ReduceOp.SUM, device)
     m = all_reduce_named({

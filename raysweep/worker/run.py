@@ -101,7 +101,8 @@ class TrainingRun:
             micro = self.micro_batch
             if probe_step(self.net, self.trial, micro).fits:
                 if shift and self.rank == 0:
-                    log.warning("OOM at micro-batch %d: running %d × %d", 2 * micro, micro, self.trial.accumulation_steps)
+                    log.warning("OOM at micro-batch %d: running %d × %d",
+                                2 * micro, micro, self.trial.accumulation_steps)
                 return
             if shift == self.trial.train.max_downshifts or micro == 1:
                 break

@@ -237,7 +237,9 @@ def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig,
     for step in range(trial.steps_per_epoch):
         batches = plan[step * accum:(step + 1) * accum]
         if step == 0:  # may be the compiled step's first call at this shape (where the probe step was not)
-            net.call_step(micro_batch, lambda: train_step(batches, scheduler.last_epoch + 1, watch, epoch))
+            # call_step calls the lambda before returning (this iteration); the default binds this step's batches
+            net.call_step(micro_batch,
+                          lambda batches=batches: train_step(batches, scheduler.last_epoch + 1, watch, epoch))
         else:
             train_step(batches, scheduler.last_epoch + 1, watch, epoch)
         scheduler.step()
@@ -264,7 +266,8 @@ class DivergenceWatch:
         """`bad`: a bool tensor, identical on every rank."""
         if not self.cuda:
             if bad:
-                raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {epoch}, step {step}")
+                raise TrialFailure("diverged",
+                                   f"diverged: non-finite loss or gradient norm at epoch {epoch}, step {step}")
             return
         self.finish(epoch)
         self.host.copy_(bad, non_blocking=True)
@@ -278,4 +281,5 @@ class DivergenceWatch:
             event.synchronize()
             self.pending = None
             if bool(self.host):
-                raise TrialFailure("diverged", f"diverged: non-finite loss or gradient norm at epoch {at_epoch}, step {step}")
+                raise TrialFailure("diverged",
+                                   f"diverged: non-finite loss or gradient norm at epoch {at_epoch}, step {step}")

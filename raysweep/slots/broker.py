@@ -1,17 +1,5 @@
-"""Warm worker groups: one long-lived Ray Train `TorchTrainer` per concurrency slot, running the trials Tune hands it.
-
-Ray Train builds a worker group from nothing for every `fit()`: placement group, worker processes, imports, the
-process group (NCCL/gloo), the data on each device: 10-35 s before the first step, for epochs of a second or two.
-A sweep's trials all want the same group (the spec's `scaling`), so a slot's group lives for the whole sweep:
-
-    Tune trial (sweep.run_trial)  ── submit ──▶  Broker (this module, one async actor per sweep)
-        relays every epoch's report     ◀── report ──  slot's rank 0 (worker/entry.slot_worker)
-        to Tune (ASHA decides)                         takes the next assignment, runs it, takes the next
-
-Each trial stays a Tune trial: its own search point, ASHA decisions, MLflow child run, checkpoints in its own
-folder (`<storage>/<name>/train/trial-<id>`) and its own restart budget (`train.max_failures`). What the slot
-keeps across trials is its processes, their CUDA context and process group, the data on each device, the compile
-caches in memory and cuDNN's autotuning; a trial builds only what is its own (model, optimizer, restore).
+"""The broker: the sweep's slots and the trials on them, as a state machine with no Ray in it (tests drive it with a
+stand-in for Ray Train's fit(); actors.BrokerActor runs it on Ray).
 
 The rules the broker keeps:
 - a trial ASHA stops (or that errors) is ended by the driver (`end`): its slot finishes the epoch it is in and
@@ -35,22 +23,19 @@ The rules the broker keeps:
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from raysweep.failures import ERROR, INFRA, OOM, find_cause
+from raysweep.failures import ERROR, INFRA
 
 log = logging.getLogger(__name__)
 
 ASK_WAIT_S = 5.0  # one long poll (a slot asking for work, a trial waiting for reports) waits at most this long
 DECISION_WAIT_S = 60.0  # the longest a slot waits for Tune's decision at a rung before it goes on anyway
 CLOSE_WAIT_S = 60.0  # at the end of a sweep, how long retiring slots may take to leave before they are killed
-GONE_WAIT_S = 20.0  # then how long their actors (killed, or out of scope) may take to be gone
-SLOT_ACTORS = frozenset({"BrokerActor", "SlotHost", "TrainController", "RayTrainWorker"})
 
 
 def scaling_key(trial: dict) -> str:
@@ -65,7 +50,7 @@ class Assignment:
     seq: int  # the broker's number for it: a trial submitted again (a Tune retry) gets a new one
     trial_id: str
     trial: dict  # TrialConfig dict
-    run_dir: str  # the trial's own folder (checkpoints, the agreed-failure file)
+    run_dir: str  # the trial's own folder (its checkpoints)
     key: str  # scaling_key(trial)
     max_failures: int  # worker-group restarts the trial may use
     decision_points: tuple[float, ...] = ()  # where Tune's scheduler may stop it (ASHA's rungs, max_t), in time_attr
@@ -446,254 +431,3 @@ class Broker:
             if left <= 0:
                 return
             await self._wait_changed(left)
-
-
-# ---------------------------------------------------------------------------------------------
-# On Ray
-
-
-@dataclass(frozen=True)
-class SlotPlan:
-    """What every slot's trainer is built from (cluster.make_trainer)."""
-
-    data_ref: object  # ObjectRef of data.CaptchaData
-    storage_path: str  # the slots' Ray Train runs live at <storage_path>/slot-<n> (no checkpoints: trials keep theirs)
-    env: dict  # worker environment (cluster.worker_env)
-    compile_cache: str | None
-    node_id: str  # the trial drivers' node (cluster.trial_driver_node): the broker, slot hosts and their controllers
-    store_wait_s: float = 300.0  # mlflow.retry_s: how long a slot waits for the store before a checkpoint
-    keep_warm_s: float | None = None  # tune.keep_warm_s: an idle slot with nothing queued leaves after this long
-
-
-_BEFORE: dict[str, set[str] | None] = {}  # the slot actors alive when each sweep opened (close_broker)
-_ACTIVE: dict[str, object] = {}  # this driver's brokers, by the sweep's folder (a driver runs one sweep at a time)
-_WATCH: dict[str, list] = {}  # each broker's `watch` call [ref, last checked], by the sweep's folder
-WATCH_EVERY_S = 1.0
-
-
-def open_broker(experiment_path: str, capacity: int, plan: SlotPlan):
-    """The sweep's broker, an async actor on the driver's node, for at most `capacity` slots at once;
-    `close_broker` ends it and every slot."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    broker_class, _ = _actor_classes()
-    _BEFORE[experiment_path] = _slot_actor_ids()  # what close_broker waits to see gone is what starts after this
-    broker = broker_class.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False)).remote(capacity, plan)
-    _ACTIVE[experiment_path] = broker
-    _WATCH[experiment_path] = [broker.watch.remote(), 0.0]
-    return broker
-
-
-def broker_lost(experiment_path: str, wait_s: float | None = None) -> str | None:
-    """Why the sweep's broker is gone (its actor died: the OOM killer, its node), else None. Checked at most every
-    WATCH_EVERY_S, without waiting (the broker's `watch` call fails as soon as the actor dies); with `wait_s`, now,
-    waiting that long for Ray to say."""
-    import ray
-
-    watch = _WATCH.get(experiment_path)
-    if watch is None or (wait_s is None and time.monotonic() - watch[1] < WATCH_EVERY_S):
-        return None
-    watch[1] = time.monotonic()
-    ready, _ = ray.wait([watch[0]], timeout=wait_s or 0)
-    if not ready:
-        return None
-    try:
-        ray.get(ready[0])
-    except Exception as e:
-        from raysweep.metrics import error_line
-
-        return f"{type(e).__name__}: {error_line(str(e))}"
-    return None  # it closed
-
-def active(experiment_path: str):
-    """The broker of the sweep this driver runs at `experiment_path` (None: none, or it closed)."""
-    return _ACTIVE.get(experiment_path)
-
-
-def recorded(experiment_path: str, trial_id: str, epoch: int) -> None:
-    """Tell the sweep's broker the store holds `trial_id` through `epoch` (the MLflow callback's `on_recorded`,
-    a partial of this: it pickles with the experiment, and a resumed sweep's finds the new broker)."""
-    broker = active(experiment_path)
-    if broker is not None:
-        broker.recorded.remote(trial_id, epoch)
-
-
-def close_broker(experiment_path: str) -> None:
-    """Retire the slots (their groups leave between trials), then end the broker and whatever is left of them."""
-    import ray
-
-    broker = _ACTIVE.pop(experiment_path, None)
-    _WATCH.pop(experiment_path, None)
-    if broker is None:
-        return
-    try:
-        left = ray.get(broker.close.remote(), timeout=CLOSE_WAIT_S + 10)
-        if left:
-            log.warning("%d worker group(s) did not leave in %.0f s; ending them", left, CLOSE_WAIT_S)
-    except Exception as e:  # the broker already gone (Ray shutting down): nothing to retire
-        log.debug("closing the slots: %s", e)
-    ray.kill(broker)  # the slot hosts it owns, their controllers and workers go with it
-    _wait_gone(_BEFORE.pop(experiment_path, None), GONE_WAIT_S)
-
-
-def _slot_actor_ids() -> set[str] | None:
-    """Ids of this driver's live actors of the kinds a sweep's slots start (None: no state API to ask)."""
-    import ray
-    from ray.util.state import list_actors
-
-    job = ray.get_runtime_context().get_job_id()
-    try:
-        return {a.actor_id for a in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
-                                                limit=10_000, raise_on_missing_output=False)
-                if a.class_name.rsplit(".", 1)[-1] in SLOT_ACTORS}  # "_actor_classes.<locals>.SlotHost"
-    except Exception as e:  # no dashboard: nothing to wait on
-        log.debug("listing actors: %s", e)
-        return None
-
-
-def _wait_gone(before: set[str] | None, wait_s: float) -> None:
-    """Wait until none of the slot actors started since `before` (open_broker's snapshot) is alive. Ray ends a
-    killed or unreferenced actor asynchronously, so without this a sweep's controller could outlive `tune` by a
-    moment (and a next sweep in the same process find its resources still held)."""
-    if before is None:
-        return
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = _slot_actor_ids()
-        left = (alive or set()) - before
-        if not left or time.monotonic() > deadline:
-            if left:
-                log.warning("%d slot actor(s) still alive %.0f s after the sweep closed its slots", len(left), wait_s)
-            return
-        time.sleep(0.2)
-
-
-@functools.cache
-def _actor_classes():
-    """The broker and slot-host actor classes (made on first use: importing this module imports no Ray)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class SlotHost:
-        """Runs one slot's long-lived trainer: fit() returns when the slot is retired."""
-
-        def run(self, plan: SlotPlan, slot_id: int, trial: dict, broker) -> None:
-            from raysweep.cluster import make_trainer
-            from raysweep.config import TrialConfig
-            from raysweep.worker.entry import slot_worker
-
-            make_trainer(TrialConfig.from_dict(trial), plan.data_ref, plan.storage_path, f"slot-{slot_id}",
-                         [_error_forwarder(broker, slot_id)], env=plan.env, worker_fn=slot_worker,
-                         extra_config={"broker": broker, "slot": slot_id, "decision_wait_s": DECISION_WAIT_S,
-                                       "store_wait_s": plan.store_wait_s},
-                         compile_cache=plan.compile_cache,
-                         # restarts are counted by the broker: per trial, and set-ups that fail in a row per slot
-                         max_failures=-1).fit()
-
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class BrokerActor(Broker):
-        def __init__(self, capacity: int, plan: SlotPlan):
-            super().__init__(capacity, self._launch, plan.keep_warm_s)
-            self.plan = plan
-            self.placed_before: dict[int, set[str]] = {}  # slot id → placement groups there before its launch
-
-        async def _launch(self, slot_id: int, trial: dict) -> None:
-            from ray.util.placement_group import placement_group_table
-
-            me = ray.get_runtime_context().current_actor
-            await wait_for_resources(group_resources(trial["scaling"]), f"slot {slot_id}")
-            self.placed_before[slot_id] = set(placement_group_table())  # what this slot's groups did not place
-            host = SlotHost.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False)).remote()
-            try:
-                await host.run.remote(self.plan, slot_id, trial, me)
-            finally:
-                ray.kill(host)
-
-        async def _release(self, slot: Slot) -> None:
-            """Remove what the slot's groups left placed. A controller that dies with its host (SIGKILL, the OOM
-            killer) leaves its group's placement group holding the group's CPUs and GPUs; Train V2's
-            PlacementGroupCleaner removes only the one its controller last registered, and a host killed while
-            the controller restarted the group (a new placement group, not yet registered, not yet reported by
-            the new group's rank 0) left one holding both CPUs here for good: the soak's next slot waited for
-            resources forever. So: the one rank 0 reported, and every placement group of this job created since
-            the slot launched that no other slot of this broker reported and whose bundles are a worker group's
-            (CPUs, no trial_driver: never a Tune trial's, whose removal kills the trial's actor). A group that
-            retired removed its own: nothing is left then."""
-            from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
-            from ray.util.state import list_placement_groups
-
-            from raysweep.cluster import TRIAL_DRIVER
-
-            ours = {slot.placement.id.hex()} if slot.placement is not None else set()
-            others = {s.placement.id.hex() for s in self.slots.values() if s is not slot and s.placement is not None}
-            try:
-                job = ray.get_runtime_context().get_job_id()
-                table = placement_group_table()  # {id: {"bundles": {index: {resource: amount}}, ...}}
-                before = self.placed_before.get(slot.slot_id, set())
-                for pg in list_placement_groups(filters=[("state", "=", "CREATED")], limit=10_000,
-                                                raise_on_missing_output=False):
-                    pg_id = pg.placement_group_id
-                    bundles = list(table.get(pg_id, {}).get("bundles", {}).values())
-                    workers = bool(bundles) and all("CPU" in b and TRIAL_DRIVER not in b for b in bundles)
-                    if pg.creator_job_id == job and pg_id not in before and pg_id not in others and workers:
-                        ours.add(pg_id)
-            except Exception as e:  # no State API: the reported one alone
-                log.debug("slot %d: listing placement groups: %s", slot.slot_id, e)
-            for pg_id in ours:
-                try:
-                    remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-                except Exception as e:  # already removed
-                    log.debug("slot %d: placement group %s: %s", slot.slot_id, pg_id, e)
-
-    return BrokerActor, SlotHost
-
-
-def _error_forwarder(broker, slot_id: int):
-    """A Ray Train callback (it runs in the slot's controller) that hands the broker what the workers raised
-    before the group restarts: the trial that uses up its restarts fails with it."""
-    import ray.train
-    import torch
-
-    class ErrorForwarder(ray.train.UserCallback):
-        def after_exception(self, run_context, worker_exceptions):
-            text = "\n".join(f"rank {rank}: {e}" for rank, e in sorted(worker_exceptions.items()))
-            oom = any(find_cause(e, torch.OutOfMemoryError) for e in worker_exceptions.values())
-            broker.group_error.remote(slot_id, text, OOM if oom else ERROR)
-
-    return ErrorForwarder()
-
-
-def group_resources(scaling: dict) -> dict[str, float]:
-    """What a worker group of this shape (a TrialConfig dict's scaling) holds in its placement group."""
-    need = {"CPU": scaling["num_workers"] * scaling["cpus_per_worker"]}
-    if scaling["use_gpu"]:
-        need["GPU"] = float(scaling["num_workers"])
-    return need
-
-
-RESOURCE_POLL_S = 1.0
-RESOURCE_SAY_EVERY_S = 30.0
-
-
-async def wait_for_resources(need: dict[str, float], who: str) -> None:
-    """Wait until the cluster has `need` free before asking Ray Train for a group: another sweep (or job) may hold
-    them, and a worker group that waits for resources past RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S fails as if it
-    could not start. Says once every RESOURCE_SAY_EVERY_S what it waits for. Unbounded by design: what frees them
-    is the other job, and the plan (cluster.plan_concurrency) checked that the cluster can hold the group at all."""
-    import ray
-
-    said = None
-    while True:
-        free = ray.available_resources()
-        short = {k: v for k, v in need.items() if free.get(k, 0.0) < v}
-        if not short:
-            return
-        now = time.monotonic()
-        if said is None or now - said >= RESOURCE_SAY_EVERY_S:
-            log.warning("%s waits for %s free on the cluster (other jobs hold them)", who,
-                        ", ".join(f"{v:g} {k}" for k, v in short.items()))
-            said = now
-        await asyncio.sleep(RESOURCE_POLL_S)

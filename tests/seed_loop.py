@@ -1,4 +1,5 @@
-"""The seeds' training loop, as the users ran it before raysweep: the baseline of loop_vs_seed.py.
+"""The seeds' training loop, as the users ran it before raysweep: the reference that tests/test_model.py and
+tests/test_loop_pieces.py hold raysweep's model and step to, and the baseline of benchmarks/loop_vs_seed.py.
 
 A torch Dataset opens each PNG with PIL per sample, a DataLoader batches them (optionally in worker
 processes), the model is the plain nn.Sequential with nn.Dropout, fp32, and every step syncs for

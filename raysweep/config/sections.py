@@ -1,0 +1,232 @@
+"""The spec's sections below the top level: data, model, scaling, train, search, tune (with asha and target), mlflow.
+
+Field names are public API (specs, `--set`, README's key table); each field's description is its README line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import string
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, Strict, model_validator
+
+from raysweep.config.fields import (
+    Auto,
+    Float,
+    Int,
+    LrRule,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    PosNumber,
+    Precision,
+    Section,
+)
+from raysweep.config.knobs import Knob
+
+DEFAULT_CHARSET = string.digits + string.ascii_uppercase
+
+
+class SyntheticConfig(Section):
+    """The embedded default data set, generated with `captcha.image.ImageCaptcha`."""
+
+    train_size: PosInt = Field(512, description="training images")
+    val_size: PosInt = Field(128, description="validation images")
+    seed: Int = Field(0, description="generation seed (same seed → same images)")
+
+
+class DataConfig(Section):
+    train_dir: Path | None = Field(None, description="folder of TEXT_anything.png; null → synthetic set")
+    val_dir: Path | None = Field(None, description="validation folder; null → hold out val_fraction of train_dir")
+    val_fraction: Annotated[float, Strict(), Field(gt=0, lt=1)] = Field(0.1, description="held-out share of train_dir")
+    charset: str = Field(DEFAULT_CHARSET, min_length=2, description="characters a captcha may contain")
+    length: PosInt = Field(4, description="characters per captcha")
+    width: Annotated[int, Strict(), Field(ge=8)] = Field(160, description="image width, pixels")
+    height: Annotated[int, Strict(), Field(ge=8)] = Field(60, description="image height, pixels")
+    synthetic: SyntheticConfig = SyntheticConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if len(set(self.charset)) != len(self.charset):
+            raise ValueError("charset repeats a character")
+        if self.val_dir is not None and self.train_dir is None:
+            raise ValueError("val_dir is set but train_dir is not; set both, or neither for the synthetic set")
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.charset)
+
+
+class ModelConfig(Section):
+    dropout: Annotated[float, Strict(), Field(ge=0, lt=1)] = Field(0.5, description="dropout probability")
+
+
+class ScalingConfig(Section):
+    """One trial's Ray Train worker group."""
+
+    num_workers: PosInt = Field(2, description="DDP ranks per trial (one GPU each when use_gpu)")
+    use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false → CPU workers, gloo")
+    cpus_per_worker: PosFloat = Field(1, description="CPUs reserved per worker (sets its OMP threads)")
+    worker_start_timeout_s: PosFloat = Field(
+        60, description="a worker group not started by then fails its trial instead of waiting forever"
+    )
+    max_setup_failures: PosInt = Field(
+        3, description="a warm group whose set-up (device, data, process group) fails this many times in a row ends "
+        "its slot; its trial fails (failure: infra), and while no group of the shape ever set up, so do the others"
+    )
+
+
+class TrainConfig(Section):
+    epochs: PosInt = Field(6, description="epochs per trial; with time_budget_s, the most a trial may run")
+    time_budget_s: PosFloat | None = Field(
+        None, description="training seconds per trial (start-up excluded): a trial times its epochs while still in "
+        "warmup and fixes the epochs (at most train.epochs; its cosine fitted to them) that fill the budget; "
+        "null → train.epochs"
+    )
+    precision: Precision = Field(
+        "auto", description="autocast dtype: fp32, bf16, fp16 (adds a GradScaler), or auto: bf16 on GPUs that "
+        "support it and on CPUs with AVX512-BF16 or AMX, else fp32"
+    )
+    compile: bool | Auto = Field(
+        "auto", description="torch.compile the training step; auto: on for CUDA (2.2× the eager step on an H100), "
+        "off for CPU workers (no gain measured there); see benchmarks/RESULTS.md"
+    )
+    cuda_graphs: bool | Auto = Field(
+        "auto", description="replay each optimizer step as one CUDA graph (no per-kernel launches); auto: on for "
+        "one-GPU trials (not fp16) at micro-batches of at most 512, where launches leave the GPU idle"
+    )
+    lr_rule: LrRule = Field("sqrt", description="peak_lr = base_lr × (global/reference)^p; p = 1, ½ or 0")
+    reference_batch_size: PosInt = Field(256, description="global batch at which base_lr is given")
+    min_lr: NonNegFloat = Field(1.0e-6, description="cosine floor")
+    grad_clip: PosFloat | None = Field(1.0, description="max pre-clip global grad norm; null → no clipping")
+    grad_accum_steps: PosInt = Field(1, description="micro-batches per optimizer step")
+    checkpoint_every: PosInt = Field(1, description="epochs between checkpoints (the last epoch always saves)")
+    max_failures: NonNegInt = Field(1, description="worker-group restarts from the last checkpoint")
+    max_infra_retries: NonNegInt = Field(
+        3, description="times a trial is submitted again, to resume from its checkpoint on another group, after "
+        "a failure of the infrastructure (a slot host or controller lost, a group that could not start, the store "
+        "stalled past mlflow.retry_s); its own failures (oom, diverged, error) are never retried"
+    )
+    max_downshifts: NonNegInt = Field(
+        3, description="on OOM at start: halve the micro-batch, double accumulation, at most this often"
+    )
+    seed: Int = Field(0, description="model init, shuffling and dropout seed")
+
+
+class SearchConfig(Section):
+    """The trial knobs. A plain value fixes a knob; a distribution searches it."""
+
+    per_gpu_batch_size: Knob(PosInt, "choice", "randint") = Field(32, description="micro-batch per worker")
+    base_lr: Knob(PosFloat, "choice", "uniform", "loguniform") = Field(1.0e-3, description="LR at reference_batch_size")
+    warmup_epochs: Knob(NonNegFloat, "choice", "uniform", "randint") = Field(1, description="linear warmup, epochs")
+    weight_decay: Knob(NonNegFloat, "choice", "uniform", "loguniform") = Field(
+        1.0e-4, description="AdamW decoupled decay")
+    grad_accum_steps: Knob(PosInt, "choice", "randint") | None = Field(
+        None, description="null → train.grad_accum_steps")
+    lr_rule: Knob(LrRule, "choice") | None = Field(None, description="null → train.lr_rule")
+
+    @model_validator(mode="after")
+    def _max_only_on_batch(self):
+        for name, knob in self.knobs().items():
+            if name != "per_gpu_batch_size" and getattr(knob, "max", None) is not None:
+                raise ValueError(f"{name}: 'max' applies to per_gpu_batch_size only")
+        return self
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs that are set (fixed or searched), by name."""
+        return {name: getattr(self, name) for name in type(self).model_fields if getattr(self, name) is not None}
+
+
+class AshaConfig(Section):
+    unit: Literal["epochs", "seconds"] = Field(
+        "epochs", description="what ASHA's rungs count: epochs, or training seconds (train_seconds): batches "
+        "compared by the time they cost, not the epochs they ran")
+    max_t: PosNumber | None = Field(
+        None, description="the most a trial runs, in the unit; null → train.epochs (seconds: train.time_budget_s)")
+    grace_period: PosNumber = Field(2, description="what every trial gets before it can be stopped, in the unit")
+    reduction_factor: Annotated[float, Strict(), Field(gt=1)] = Field(
+        2, description="keep 1/reduction_factor at each rung")
+    allow_grace_within_warmup: bool = Field(
+        False, description="allow grace_period < the largest warmup (trials may be cut before they are judged)"
+    )
+
+
+def _rankable(metric: str) -> None:
+    """A ValueError naming the closest rankable metric, unless `metric` is one (tune.metric, tune.target.metric)."""
+    from raysweep.metrics import RANKABLE_METRICS
+
+    if metric not in RANKABLE_METRICS:
+        close = difflib.get_close_matches(metric, RANKABLE_METRICS, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "one of " + ", ".join(RANKABLE_METRICS)
+        raise ValueError(f"unknown metric {metric!r} ({hint})")
+
+
+class TargetConfig(Section):
+    """A value of a metric to reach: trials are compared by how long they take to get there."""
+
+    metric: str = Field("val_exact_acc", description="the metric (one ASHA can rank by)")
+    value: Float = Field(description="the value to reach (at or above it for accuracies, at or below for losses)")
+    stop: bool = Field(False, description="end a trial when it gets there (it counts as finished)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        _rankable(self.metric)
+        return self
+
+    @property
+    def mode(self) -> str:
+        from raysweep.metrics import METRIC_MODES
+
+        return METRIC_MODES[self.metric]
+
+
+class TuneSection(Section):
+    num_samples: PosInt = Field(6, description="trials")
+    metric: str = Field("val_loss", description="metric ASHA ranks trials by")
+    mode: Literal["min", "max"] = Field(
+        None, description="min or max; left out (null) → the metric's own: losses min, accuracies max")
+    max_concurrent_trials: PosInt | None = Field(None, description="null → planned from what the cluster has free")
+    keep_warm_s: PosFloat | None = Field(
+        30, description="seconds a warm worker group idle with no trial queued keeps its resources before it "
+        "leaves (another sweep on the cluster may need them); null → kept until the sweep ends"
+    )
+    seed: Int = Field(0, description="search seed")
+    asha: AshaConfig = AshaConfig()
+    target: TargetConfig | None = Field(
+        None, description="{metric, value, stop}: log each trial's time_to_target_s and rank by it (trials that "
+        "never get there after, by tune.metric); null → rank by tune.metric")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _infer_mode(cls, data):
+        """A spec that leaves `mode` out means the metric's own direction (so no spec can rank backwards)."""
+        from raysweep.metrics import METRIC_MODES
+
+        if isinstance(data, dict) and data.get("mode") is None:
+            return {**data, "mode": METRIC_MODES.get(data.get("metric", "val_loss"), "min")}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self):
+        from raysweep.metrics import METRIC_MODES
+
+        _rankable(self.metric)
+        better = METRIC_MODES[self.metric]
+        if self.mode != better:
+            higher = "higher" if better == "max" else "lower"
+            raise ValueError(f"mode {self.mode!r} with metric {self.metric!r}, where {higher} is better: ASHA would "
+                             f"keep the worst trials; set mode: {better}, or leave mode out (it follows the metric)")
+        return self
+
+
+class MlflowSection(Section):
+    tracking_uri: str | None = Field(None, description="null → sqlite mlflow.db in the working directory")
+    retry_s: PosFloat = Field(
+        300, description="seconds a write to the store is retried (with backoff) and a slot waits for the store "
+        "before a checkpoint: a tracking server that restarts within it costs nothing; past it the sweep fails"
+    )
+    experiment: str | None = Field(None, description="null → the spec's name")

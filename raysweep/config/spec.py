@@ -1,0 +1,120 @@
+"""The whole spec (`SweepConfig`): its top-level keys, the sections, what makes it unfit for `tune`, ASHA's
+horizon, and the trial factory (`SweepConfig.trials`) built from its sections."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from pydantic import Field
+
+from raysweep.config.fields import Section
+from raysweep.config.knobs import knob_largest
+from raysweep.config.sections import (
+    DataConfig,
+    MlflowSection,
+    ModelConfig,
+    ScalingConfig,
+    SearchConfig,
+    TrainConfig,
+    TuneSection,
+)
+from raysweep.config.trial import ImageSpec, TrialFactory
+
+
+class SweepConfig(Section):
+    """A whole spec file."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = Field(
+        "quickstart", description="MLflow experiment and Ray run directory name"
+    )
+    storage_path: str = Field(
+        "./raysweep_results",
+        description="Ray results and checkpoints: a folder, or on several machines shared storage (an NFS path or "
+        "s3:// URI)",
+    )
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    scaling: ScalingConfig = ScalingConfig()
+    train: TrainConfig = TrainConfig()
+    search: SearchConfig = SearchConfig()
+    tune: TuneSection = TuneSection()
+    mlflow: MlflowSection = MlflowSection()
+
+    def sweep_problem(self) -> str | None:
+        """What makes this spec unfit for `tune` (ASHA's settings against the epochs and warmup), or None.
+
+        `train` runs no ASHA, so it never asks: a user shortening a run with `--set train.epochs=2`
+        need not know about ASHA.
+        """
+        asha = self.tune.asha
+        max_t = self.max_t
+        if asha.unit == "seconds":
+            budget = self.train.time_budget_s
+            if max_t == math.inf:
+                return ("tune.asha.unit: seconds needs a horizon in seconds; set tune.asha.max_t (training seconds) "
+                        "or train.time_budget_s")
+            if budget is not None and max_t > budget:
+                return (f"tune.asha.max_t: {max_t:g} s exceeds train.time_budget_s {budget:g}: no trial runs that "
+                        f"long; lower max_t or leave it unset (it follows the budget)")
+            if asha.grace_period > max_t:
+                return (f"tune.asha.grace_period: {asha.grace_period:g} s exceeds max_t {max_t:g} s "
+                        f"(train.time_budget_s unless tune.asha.max_t is set); lower grace_period")
+            return None
+        for key in ("grace_period", "max_t"):
+            value = getattr(asha, key)
+            if value is not None and value != int(value):
+                return (f"tune.asha.{key}: {value!r} is not a whole number of epochs; use one, or count in training "
+                        f"seconds with tune.asha.unit: seconds")
+        if max_t > self.train.epochs:
+            return f"tune.asha.max_t: {max_t} exceeds train.epochs {self.train.epochs}; lower max_t or leave it unset"
+        if asha.grace_period > max_t:
+            return (f"tune.asha.grace_period: {asha.grace_period} exceeds max_t {max_t} (train.epochs unless "
+                    f"tune.asha.max_t is set); lower grace_period")
+        warmup = knob_largest(self.search.warmup_epochs)
+        if asha.grace_period < warmup and not asha.allow_grace_within_warmup:
+            return (f"tune.asha.grace_period: {asha.grace_period} is shorter than the largest warmup_epochs "
+                    f"in the search ({warmup:g}): a trial cut during warmup was never judged; raise grace_period "
+                    f"or set tune.asha.allow_grace_within_warmup: true")
+        return None
+
+
+    @property
+    def max_t(self) -> float:
+        """ASHA's horizon in its unit: tune.asha.max_t, else train.epochs (epochs) or train.time_budget_s (seconds;
+        inf when neither is set: sweep_problem refuses it)."""
+        asha = self.tune.asha
+        if asha.unit == "seconds":
+            return asha.max_t or self.train.time_budget_s or math.inf
+        return asha.max_t or self.train.epochs
+
+    @property
+    def time_attr(self) -> str:
+        """The reported metric ASHA counts in: `epoch` (worker-reported; Tune's training_iteration restarts at 1
+        after a restore) or `train_seconds`."""
+        return "train_seconds" if self.tune.asha.unit == "seconds" else "epoch"
+
+    @property
+    def horizon(self):
+        """Where trials end on their own (metrics.Horizon): how the driver tells finished from pruned."""
+        from raysweep.metrics import Horizon
+
+        target = self.tune.target
+        return Horizon(self.time_attr, self.max_t, bool(target and target.stop))
+
+    @property
+    def experiment_name(self) -> str:
+        return self.mlflow.experiment or self.name
+
+    @property
+    def trials(self) -> TrialFactory:
+        """The slice that makes trials (search, train, model, scaling, the image shape, tune.target)."""
+        data = self.data
+        return TrialFactory(
+            search=self.search,
+            train=self.train,
+            model=self.model,
+            scaling=self.scaling,
+            image=ImageSpec(width=data.width, height=data.height, length=data.length, num_classes=data.num_classes),
+            target=self.tune.target,
+        )

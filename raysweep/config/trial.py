@@ -1,0 +1,213 @@
+"""One trial: its concrete knob values, the sections a worker needs and every derived value (`TrialConfig`),
+and the factory that makes one from the spec and a sampled knob dict (`TrialFactory`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from raysweep.config.fields import LrRule, NonNegFloat, PosFloat, PosInt, Section
+from raysweep.config.knobs import Choice, knob_extremes, knob_first
+from raysweep.config.sections import ModelConfig, ScalingConfig, SearchConfig, TargetConfig, TrainConfig
+from raysweep.errors import UserError
+
+
+class Knobs(Section):
+    """Concrete values of the searchable knobs for one trial."""
+
+    per_gpu_batch_size: PosInt
+    base_lr: PosFloat
+    warmup_epochs: NonNegFloat
+    weight_decay: NonNegFloat
+    grad_accum_steps: PosInt
+    lr_rule: LrRule
+
+
+class ImageSpec(Section):
+    """The images a trial's model takes: width and height in pixels, characters per captcha, charset size."""
+
+    width: PosInt
+    height: PosInt
+    length: PosInt
+    num_classes: PosInt
+
+
+class TrialConfig(Section):
+    """What every rank of one trial needs; crosses the Ray boundary as `to_dict()`."""
+
+    knobs: Knobs
+    micro_splits: PosInt = Field(1, description="micro-batches each per-GPU batch is cut into (memory cap, OOM)")
+    train: TrainConfig
+    model: ModelConfig
+    scaling: ScalingConfig
+    image: ImageSpec
+    train_size: PosInt = Field(description="training images in the whole set")
+    target: TargetConfig | None = Field(None, description="tune.target: the rank watches for it (TargetWatch)")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrialConfig:
+        return cls.model_validate(d)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    @property
+    def world_size(self) -> int:
+        return self.scaling.num_workers
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.knobs.per_gpu_batch_size * self.world_size * self.knobs.grad_accum_steps
+
+    @property
+    def peak_lr(self) -> float:
+        from raysweep.optim import scaled_lr
+
+        return scaled_lr(self.knobs.base_lr, self.global_batch_size, self.train.reference_batch_size,
+                         self.knobs.lr_rule)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.train_size / self.global_batch_size)
+
+    @property
+    def warmup_steps(self) -> int:
+        return round(self.knobs.warmup_epochs * self.steps_per_epoch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.train.epochs * self.steps_per_epoch
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward/backward on one rank: the per-GPU batch cut into micro_splits."""
+        return -(-self.knobs.per_gpu_batch_size // self.micro_splits)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on one rank."""
+        return self.knobs.grad_accum_steps * self.micro_splits
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Forward/backward passes per rank per epoch: every rank makes the same number."""
+        return self.steps_per_epoch * self.accumulation_steps
+
+    @property
+    def min_shard_size(self) -> int:
+        """Training samples of the smallest rank's shard (shards differ by at most one)."""
+        return self.train_size // self.world_size
+
+    def downshifted(self) -> TrialConfig:
+        """Half the micro-batch, twice the accumulation: the same global batch, LR and steps."""
+        return self.model_copy(update={"micro_splits": self.micro_splits * 2})
+
+    def params(self) -> dict[str, Any]:
+        """Every knob and derived value, flat: the MLflow params of a trial."""
+        return {
+            **self.knobs.model_dump(),
+            "global_batch_size": self.global_batch_size,
+            "peak_lr": self.peak_lr,
+            "steps_per_epoch": self.steps_per_epoch,
+            "warmup_steps": self.warmup_steps,
+            "total_steps": self.total_steps,
+            "world_size": self.world_size,
+            "precision": self.train.precision,
+            "epochs": self.train.epochs,
+            "train_size": self.train_size,
+            "reference_batch_size": self.train.reference_batch_size,
+            "min_lr": self.train.min_lr,
+            "grad_clip": self.train.grad_clip,
+        }
+
+
+@dataclass(frozen=True)
+class TrialFactory:
+    """The spec's slice that makes trials: sampled knobs → `TrialConfig`, the defaults, the search's extremes.
+
+    Holds only the sections a trial reads, so it is small to pickle to Tune's trial actors.
+    """
+
+    search: SearchConfig
+    train: TrainConfig
+    model: ModelConfig
+    scaling: ScalingConfig
+    image: ImageSpec
+    target: TargetConfig | None = None
+
+    def searched(self) -> dict[str, Any]:
+        """Knobs with a distribution (what Tune samples), by name."""
+        return {k: v for k, v in self.search.knobs().items() if isinstance(v, BaseModel)}
+
+    def default_knobs(self) -> dict[str, Any]:
+        """Every knob at its default (else first choice / lower bound): what `train` runs."""
+        return {k: knob_first(v) for k, v in self.search.knobs().items()}
+
+    def is_baseline(self, knobs: dict[str, Any]) -> bool:
+        """Whether sampled knobs are the spec's defaults: the sweep's first trial, its baseline."""
+        defaults = self.default_knobs()
+        return all(knobs.get(k) == defaults[k] for k in self.searched())
+
+    @property
+    def batch_cap(self) -> int | str | None:
+        """`search.per_gpu_batch_size.max`: a number, "probe", or None."""
+        return getattr(self.search.per_gpu_batch_size, "max", None)
+
+    def global_batches(self) -> list[int]:
+        """Every global batch the search can sample (per-GPU batch × workers × accumulation; a range by its ends)."""
+        def values(knob, fallback) -> list:
+            if knob is None:
+                return [fallback]
+            return sorted({knob.choice[0], *knob.choice} if isinstance(knob, Choice)
+                          else set(knob_extremes(knob) or [knob]))
+
+        search = self.search
+        return sorted({b * self.scaling.num_workers * a for b in values(search.per_gpu_batch_size, 32)
+                       for a in values(search.grad_accum_steps, self.train.grad_accum_steps)})
+
+    def trial(self, knobs: dict[str, Any], train_size: int, batch_cap: int | None = None) -> TrialConfig:
+        """One trial's full config from sampled knob values (Tune's flat dict).
+
+        A per-GPU batch above `batch_cap` runs as a micro-batch ≤ the cap × more accumulation steps:
+        the same global batch, so the same peak LR and schedule.
+        """
+        values = {**self.default_knobs(), **knobs}
+        values.setdefault("grad_accum_steps", self.train.grad_accum_steps)
+        values.setdefault("lr_rule", self.train.lr_rule)
+        splits = 1 if batch_cap is None else -(-values["per_gpu_batch_size"] // batch_cap)
+        return TrialConfig(
+            micro_splits=splits,
+            knobs=Knobs(**values),
+            train=self.train,
+            model=self.model,
+            scaling=self.scaling,
+            image=self.image,
+            train_size=train_size,
+            target=self.target,
+        )
+
+    def check_data_fits(self, train_size: int, batch_cap: int | None = None, searched: bool = True) -> None:
+        """Every rank's shard must fill its micro-batches (`epoch_plan` needs one sample each at least).
+
+        Checks the extremes of the search (smallest and largest per-GPU batch × fewest and most
+        accumulation steps), or the defaults alone when not `searched`. Raises a one-line UserError.
+        """
+        knobs = self.searched() if searched else {}
+        defaults = self.default_knobs()
+        batches = knob_extremes(knobs.get("per_gpu_batch_size")) or [defaults["per_gpu_batch_size"]]
+        accums = knob_extremes(knobs.get("grad_accum_steps")) or [defaults.get("grad_accum_steps",
+                                                                              self.train.grad_accum_steps)]
+        for batch in batches:
+            for accum in accums:
+                t = self.trial({"per_gpu_batch_size": batch, "grad_accum_steps": accum}, train_size, batch_cap)
+                if t.min_shard_size < t.micro_batches_per_epoch:
+                    raise UserError(
+                        f"data: {train_size} training images give each of {t.world_size} workers {t.min_shard_size}, "
+                        f"too few for {t.micro_batches_per_epoch} micro-batches per epoch (per-GPU batch {batch} × "
+                        f"{t.accumulation_steps} accumulation steps, global batch {t.global_batch_size}); use more "
+                        f"training images (data.synthetic.train_size or data.train_dir), or fewer scaling.num_workers "
+                        f"or grad_accum_steps"
+                    )

@@ -1,0 +1,41 @@
+"""A worker group's resources: what one of a shape holds, and waiting until the cluster has them free."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+RESOURCE_POLL_S = 1.0  # how often the wait looks at what is free
+RESOURCE_SAY_EVERY_S = 30.0  # how often it says what it waits for
+
+
+def group_resources(scaling: dict) -> dict[str, float]:
+    """What a worker group of this shape (a TrialConfig dict's scaling) holds in its placement group."""
+    need = {"CPU": scaling["num_workers"] * scaling["cpus_per_worker"]}
+    if scaling["use_gpu"]:
+        need["GPU"] = float(scaling["num_workers"])
+    return need
+
+
+async def wait_for_resources(need: dict[str, float], who: str) -> None:
+    """Wait until the cluster has `need` free before asking Ray Train for a group: another sweep (or job) may hold
+    them, and a worker group that waits for resources past RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S fails as if it
+    could not start. Says once every RESOURCE_SAY_EVERY_S what it waits for. Unbounded by design: what frees them
+    is the other job, and the plan (cluster.plan_concurrency) checked that the cluster can hold the group at all."""
+    import ray
+
+    said = None
+    while True:
+        free = ray.available_resources()
+        short = {k: v for k, v in need.items() if free.get(k, 0.0) < v}
+        if not short:
+            return
+        now = time.monotonic()
+        if said is None or now - said >= RESOURCE_SAY_EVERY_S:
+            log.warning("%s waits for %s free on the cluster (other jobs hold them)", who,
+                        ", ".join(f"{v:g} {k}" for k, v in short.items()))
+            said = now
+        await asyncio.sleep(RESOURCE_POLL_S)

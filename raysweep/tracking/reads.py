@@ -1,0 +1,142 @@
+"""What the driver and the report read back from the store: a sweep whole (load_sweep), the trials a resume
+must not run again, ASHA's rung histories, the epoch seconds `check` shows, the last noise scale."""
+
+from __future__ import annotations
+
+from raysweep.errors import UserError
+from raysweep.metrics import METRIC_NAMES, TAG_BASELINE, RunRecord, SweepRecord, outcome_of_run
+from raysweep.tracking.store import _artifact_text, sqlite_path
+
+
+def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, float]:
+    """Training seconds an epoch per global batch, as the experiment's trials measured them (the median over its
+    runs of train_seconds ÷ epoch, last values): `check` turns rungs into the other unit with it. {} when the
+    store or the experiment does not exist (nothing is created)."""
+    import statistics
+
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():
+        return {}
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return {}
+    seen: dict[int, list[float]] = {}
+    for run in client.search_runs([found.experiment_id], filter_string="metrics.train_seconds > 0",
+                                  max_results=1000):
+        m, batch = run.data.metrics, run.data.params.get("global_batch_size")
+        if batch and m.get("epoch"):
+            seen.setdefault(int(batch), []).append(m["train_seconds"] / m["epoch"])
+    return {b: statistics.median(v) for b, v in seen.items()}
+
+
+def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict]:
+    """{trial id: {"failure": how it failed or None, "last": its last reported metrics}} for a sweep's trials whose
+    end the store holds as final (failures.settled): a resumed sweep's relays end them so (a pruned or finished one
+    reports its last result again: Tune needs one with the metric), and never train them again."""
+    from mlflow.tracking import MlflowClient
+
+    from raysweep.failures import settled
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    out = {}
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                    max_results=10_000):
+        verdict = settled(child.info.status, child.data.tags)
+        if verdict is not False:
+            last = dict(child.data.metrics)
+            if "resolved_epochs" in child.data.params:  # what metrics.Horizon reads to call it finished
+                last["resolved_epochs"] = int(child.data.params["resolved_epochs"])
+            out[child.data.tags.get("trial_id", child.info.run_name)] = {"failure": verdict, "last": last}
+    return out
+
+
+def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metric: str) -> dict:
+    """{trial id: [(time_attr, metric) per reported epoch, in order]} of a sweep's children, from the store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    out = {}
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                    max_results=10_000):
+        clock = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, time_attr)}
+        values = {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, metric)}
+        reports = [(clock[e], values[e]) for e in sorted(clock) if e in values]
+        if reports:
+            out[child.data.tags.get("trial_id", child.info.run_name)] = reports
+    return out
+
+
+def last_noise_scale(tracking_uri: str, experiment: str) -> tuple[float, str]:
+    """B_noise of the experiment's newest sweep that measured one: (value, where from)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = [] if found is None else client.search_runs(
+        [found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune' and metrics.grad_noise_scale > 0",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        raise UserError(f"--noise-scale last: no sweep in experiment {experiment!r} of {tracking_uri} measured "
+                        f"grad_noise_scale; run `tune` first, or give a number (--noise-scale 500)")
+    run = runs[0]
+    return run.data.metrics["grad_noise_scale"], f"sweep {run.info.run_name}"
+
+
+def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = None) -> SweepRecord:
+    """A sweep from the MLflow store alone (the newest `tune` parent run of `experiment`, or the one given).
+
+    An absent store, an unknown experiment or one without a sweep is a UserError (no store is created).
+    """
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and not db.is_file():
+        raise UserError(f"report: no MLflow store at {db}; pass --tracking-uri sqlite:///path/to/mlflow.db "
+                        f"(the store the sweep printed)")
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        names = sorted(e.name for e in client.search_experiments() if e.name != "Default")
+        raise UserError(f"report: no experiment {experiment!r} in {tracking_uri}; "
+                        + (f"it holds {', '.join(map(repr, names))}" if names else "the store is empty"))
+    if parent_run_id is None:
+        parents = client.search_runs([found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune'",
+                                     order_by=["attributes.start_time DESC"], max_results=50)
+        if not parents:
+            raise UserError(f"report: experiment {experiment!r} in {tracking_uri} holds no sweep (no `tune` run)")
+        # the newest sweep that ran a trial: one that failed before its first trial has nothing to show
+        parent = next((p for p in parents if client.search_runs(
+            [found.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{p.info.run_id}'", max_results=1)),
+            parents[0])
+    else:
+        parent = client.get_run(parent_run_id)
+    tags = parent.data.tags
+    spec_text = _artifact_text(client, parent.info.run_id, "spec.yaml")
+    metric, mode = tags.get("raysweep.metric"), tags.get("raysweep.mode")
+    if metric is None:  # a sweep from before the tags: its spec says
+        import yaml
+
+        tune = (yaml.safe_load(spec_text or "") or {}).get("tune", {})
+        metric, mode = tune.get("metric", "val_loss"), tune.get("mode", "min")
+    target = ((tags["raysweep.target_metric"], float(tags["raysweep.target_value"]))
+              if "raysweep.target_metric" in tags else None)
+    children = client.search_runs([found.experiment_id], max_results=10_000,
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+                                  order_by=["attributes.start_time ASC"])
+    wanted = dict.fromkeys(("epoch", metric, *METRIC_NAMES))
+    trials = []
+    for child in children:
+        history = {name: {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, name)}
+                   for name in wanted if name in child.data.metrics}
+        info, ctags = child.info, child.data.tags
+        status = outcome_of_run(info.status, ctags)
+        wall = (info.end_time - info.start_time) / 1000 if info.end_time else None
+        trials.append(RunRecord(info.run_id, ctags.get("trial_id", info.run_name), status, dict(child.data.params),
+                                history, dict(ctags), wall, ctags.get(TAG_BASELINE) == "true"))
+    return SweepRecord(tracking_uri, experiment, found.experiment_id, parent.info.run_id, parent.info.run_name,
+                       metric, mode or "min", spec_text or "", trials, target)

@@ -1,0 +1,89 @@
+"""A sweep's MLflow writes off Tune's loop: one writer thread per parent run, retrying a store that stalls."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+class Writer:
+    """A sweep's MLflow writes, in the order they were put, on a thread of their own: Tune's loop (ASHA's decisions,
+    the next trial's start, every slot waiting at a rung) never waits on the store, which is tens of ms a write on
+    SQLite and more on a remote server, for every trial's every epoch.
+
+    A write that fails is tried again, with backoff, for up to `retry_s` (mlflow.retry_s): a tracking server that
+    restarts, a busy database. Writes must be safe to repeat (the callback's are: a run is looked up before it is
+    created, an epoch's metrics are checked against the store after a failed attempt). Past `retry_s` the writer
+    stops: the writes after it are dropped (they would land out of order) and the error is raised by the next `put`
+    or `flush`, so a store that stays down ends the sweep with its cause. `flush` waits for everything put so far."""
+
+    def __init__(self, name: str, retry_s: float = 300.0):
+        import queue
+        import threading
+
+        self.name, self.error, self.retry_s = name, None, retry_s
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"mlflow-writer {name}", daemon=True)
+        self.thread.start()
+
+    def put(self, write) -> None:
+        self._raise()
+        self.queue.put(write)
+
+    def flush(self) -> None:
+        self.queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"MLflow write failed: {type(self.error).__name__}: {self.error}") from self.error
+
+    def _run(self) -> None:
+        while True:
+            write = self.queue.get()
+            try:
+                if self.error is None:
+                    self._write(write)
+            except BaseException as e:  # kept for the caller: this thread has no one to raise to
+                log.error("MLflow write for %s failed for %.0f s (mlflow.retry_s): %s: %s", self.name, self.retry_s,
+                          type(e).__name__, e)
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+    def _write(self, write) -> None:
+        deadline, delay = time.monotonic() + self.retry_s, RETRY_FIRST_S
+        while True:
+            try:
+                write()
+                return
+            except Exception as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if delay == RETRY_FIRST_S:
+                    log.warning("MLflow store not answering (%s: %s); writes of %s retried for up to %.0f s",
+                                type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", self.name, left)
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, RETRY_MAX_S)
+
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 15.0  # a failed write's first wait, and the longest between two attempts
+
+_WRITERS: dict[str, Writer] = {}  # this driver's writers, by parent run (the callback Tune restores finds its own)
+
+
+def writer(parent_run_id: str, retry_s: float = 300.0) -> Writer:
+    """The sweep's MLflow writer (one per parent run in this process), started on first use."""
+    if parent_run_id not in _WRITERS:
+        _WRITERS[parent_run_id] = Writer(parent_run_id, retry_s)
+    return _WRITERS[parent_run_id]
+
+
+def flush_writes(parent_run_id: str) -> None:
+    """Wait until every queued write of the sweep is in the store (raises the first that failed). Before anything
+    that reads the store or ends runs: the sweep's end, its summary, Ctrl-C."""
+    if parent_run_id in _WRITERS:
+        _WRITERS[parent_run_id].flush()
