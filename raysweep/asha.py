@@ -108,7 +108,7 @@ class RungKeeper(Callback):
                           for bracket in self.scheduler._brackets]}
 
     def set_state(self, state: dict) -> None:
-        if state.get("time_attr", "epoch") == self.scheduler._time_attr:  # rungs of another unit: not these
+        if state["time_attr"] == self.scheduler._time_attr:  # rungs of another unit: not these
             for bracket, rungs in zip(self.scheduler._brackets, state["rungs"]):
                 for (milestone, recorded), (saved_milestone, saved) in zip(bracket._rungs, rungs):
                     if milestone == saved_milestone:

@@ -8,6 +8,7 @@ lifecycle.SLOT_ACTORS, tests/test_faults.py and benchmarks/soak.py look for.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class BrokerActor(Broker):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         me = ray.get_runtime_context().current_actor
-        await wait_for_resources(group_resources(trial["scaling"]), f"slot {slot_id}")
+        await wait_for_resources(group_resources(trial["scaling"]), f"slot {slot_id}", self._remove_orphans)
         self.placed_before[slot_id] = set(placement_group_table())  # what this slot's groups did not place
         host = actor_classes()[1].options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False)).remote()
@@ -108,9 +109,35 @@ class BrokerActor(Broker):
                 log.debug("slot %d: placement group %s: %s", slot.slot_id, pg_id, e)
 
 
-def _worker_groups_placed_since(before: set[str]) -> set[str]:
-    """Ids of this job's created placement groups not in `before` whose bundles are all a worker group's (CPUs, no
-    trial_driver). Raises where the State API cannot be asked."""
+    async def _remove_orphans(self) -> None:
+        """While a new slot waits for resources: remove the worker-shaped placement groups (created, or pending)
+        that no live slot can own. A slot's host killed while its controller restarted the group lets that
+        controller, killed with the host a moment later (Ray kills the actors an actor owns asynchronously), place
+        a new group after the slot's own `_release` ran: the soak's next slot then waited for CPUs forever. A
+        placement group is an orphan when no live slot reported it and it existed before every live slot
+        launched (a live slot's own groups are placed after its launch)."""
+        import ray
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        live = [s for s in self.slots.values() if s.slot_id in self.placed_before]
+        reported = {s.placement.id.hex() for s in self.slots.values() if s.placement is not None}
+        try:  # the State API's answer in a thread: the broker's loop keeps answering its slots and trials
+            found = await asyncio.to_thread(_worker_groups_placed_since, set(), ("CREATED", "PENDING"))
+        except Exception as e:  # no State API: nothing known to be an orphan
+            log.debug("listing placement groups: %s", e)
+            return
+        for pg_id in found - reported:
+            if all(pg_id in self.placed_before[s.slot_id] for s in live):
+                log.warning("removing placement group %s: left by a slot that ended", pg_id)
+                try:
+                    remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                except Exception as e:  # already removed
+                    log.debug("placement group %s: %s", pg_id, e)
+
+
+def _worker_groups_placed_since(before: set[str], states: tuple[str, ...] = ("CREATED",)) -> set[str]:
+    """Ids of this job's placement groups in `states` not in `before` whose bundles are all a worker group's (CPUs,
+    no trial_driver). Raises where the State API cannot be asked."""
     import ray
     from ray.util.placement_group import placement_group_table
     from ray.util.state import list_placement_groups
@@ -120,7 +147,9 @@ def _worker_groups_placed_since(before: set[str]) -> set[str]:
     job = ray.get_runtime_context().get_job_id()
     table = placement_group_table()  # {id: {"bundles": {index: {resource: amount}}, ...}}
     found = set()
-    for pg in list_placement_groups(filters=[("state", "=", "CREATED")], limit=10_000, raise_on_missing_output=False):
+    for pg in list_placement_groups(limit=10_000, raise_on_missing_output=False):
+        if pg.state not in states:
+            continue
         pg_id = pg.placement_group_id
         bundles = list(table.get(pg_id, {}).get("bundles", {}).values())
         workers = bool(bundles) and all("CPU" in b and TRIAL_DRIVER not in b for b in bundles)

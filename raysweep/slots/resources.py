@@ -10,6 +10,7 @@ log = logging.getLogger(__name__)
 
 RESOURCE_POLL_S = 1.0  # how often the wait looks at what is free
 RESOURCE_SAY_EVERY_S = 30.0  # how often it says what it waits for
+SHORT_HOOK_EVERY_S = 10.0  # how long a wait goes before `while_short` is called, and how often after
 
 
 def group_resources(scaling: dict) -> dict[str, float]:
@@ -20,20 +21,26 @@ def group_resources(scaling: dict) -> dict[str, float]:
     return need
 
 
-async def wait_for_resources(need: dict[str, float], who: str) -> None:
+async def wait_for_resources(need: dict[str, float], who: str, while_short=None) -> None:
     """Wait until the cluster has `need` free before asking Ray Train for a group: another sweep (or job) may hold
     them, and a worker group that waits for resources past RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S fails as if it
     could not start. Says once every RESOURCE_SAY_EVERY_S what it waits for. Unbounded by design: what frees them
-    is the other job, and the plan (cluster.plan_concurrency) checked that the cluster can hold the group at all."""
+    is the other job, and the plan (cluster.plan_concurrency) checked that the cluster can hold the group at all.
+    `await while_short()` runs once the wait has lasted SHORT_HOOK_EVERY_S, and again every SHORT_HOOK_EVERY_S (the
+    broker removes what dead slots left: a slow State API call, never at every look)."""
     import ray
 
-    said = None
+    said, started = None, time.monotonic()
+    hooked = started
     while True:
         free = ray.available_resources()
         short = {k: v for k, v in need.items() if free.get(k, 0.0) < v}
         if not short:
             return
         now = time.monotonic()
+        if while_short is not None and now - hooked >= SHORT_HOOK_EVERY_S:
+            await while_short()
+            hooked = now
         if said is None or now - said >= RESOURCE_SAY_EVERY_S:
             log.warning("%s waits for %s free on the cluster (other jobs hold them)", who,
                         ", ".join(f"{v:g} {k}" for k, v in short.items()))

@@ -60,7 +60,7 @@ class TrialRuns:
         """A restored sweep's runs (Tune's saved callback state); the store is the truth: the state may trail it."""
         self.runs.update(state["runs"])
         self.parent_run_id = state["parent_run_id"]
-        self.logged.update(state.get("logged", {}))
+        self.logged.update(state["logged"])
         for trial_id, run_id in self.runs.items():
             self._read_logged(trial_id, run_id)
 
