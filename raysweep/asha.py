@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from ray.tune import Callback
 
-from raysweep.metrics import Horizon
-
 log = logging.getLogger(__name__)
 
 
@@ -55,9 +53,6 @@ class AshaPlan:
         if self.time_attr != "epoch" or self.max_t < self.epochs:
             points.add(self.max_t)
         return tuple(sorted(points))
-
-    def horizon(self, stop_at_target: bool) -> Horizon:
-        return Horizon(self.time_attr, self.max_t, stop_at_target)
 
 
 def milestones(scheduler) -> tuple[float, ...]:

@@ -265,14 +265,6 @@ class TrialView:
             status = horizon.outcome(last, errored)
         return cls(trial.trial_id, status, dict(trial.config), last, _trial_error_line(trial) if errored else None)
 
-    @classmethod
-    def of_result(cls, result, horizon: Horizon) -> TrialView:
-        """From a `ray.tune.Result` of `Tuner.fit()`'s grid."""
-        last = dict(result.metrics or {})
-        status = horizon.outcome(last, result.error is not None)
-        error = error_line(str(result.error)) if result.error is not None else None
-        return cls(str(last.get("trial_id", "?")), status, dict(result.config or {}), last, error)
-
 
 WORKER_DEATH = ("worker process has died", "died unexpectedly", "A worker health check failed")
 
