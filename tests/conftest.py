@@ -46,15 +46,65 @@ def _cache_dir(tmp_path_factory):
     os.environ["RAYSWEEP_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
+def _start_session_ray():
     import ray
 
     from raysweep.cluster import ray_init_kwargs
 
     ray.init(num_cpus=2, **ray_init_kwargs(worker_start_timeout_s=WORKER_START_TIMEOUT_S))
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = _start_session_ray()
     yield ray
     ray.shutdown()
+
+
+CLEAN_WITHIN_S = 60  # what a finished sweep leaves: actors and placement groups removed asynchronously, in seconds
+
+
+def _held(ray) -> str:
+    """What holds the session cluster's resources beyond what it had before any test: '' when nothing."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    held = {k: v - free.get(k, 0.0) for k, v in total.items()
+            if k in ("CPU", "GPU", "trial_driver") and v - free.get(k, 0.0) > 1e-6}
+    if not held:
+        return ""
+    address = ray.get_runtime_context().gcs_address
+    actors = [f"{a.class_name}(pid {a.pid})" for a in list_actors(
+        address=address, filters=[("state", "=", "ALIVE")], limit=10_000, raise_on_missing_output=False)]
+    groups = [f"{g.placement_group_id[:8]} {g.state}" for g in list_placement_groups(
+        address=address, limit=10_000, raise_on_missing_output=False) if g.state != "REMOVED"]
+    return f"held {held}; live actors {actors}; placement groups {groups}"
+
+
+@pytest.fixture(autouse=True)
+def _session_ray_left_clean(request):
+    """A test on the session's cluster must leave it as it found it: every CPU free again within CLEAN_WITHIN_S.
+    One that does not errors here, naming what holds the resources, and the cluster is started anew: a leak (a
+    sweep's group or actor outliving it, a test stopped by its timeout mid-sweep) fails that test alone, never
+    every later test that needs a CPU (CI once ran every later Ray test into its timeout that way)."""
+    yield
+    if "ray_cluster" not in request.fixturenames:
+        return
+    import time
+
+    import ray
+
+    if not ray.is_initialized():
+        return
+    deadline, held = time.monotonic() + CLEAN_WITHIN_S, _held(ray)
+    while held and time.monotonic() < deadline:
+        time.sleep(1)
+        held = _held(ray)
+    if held:
+        ray.shutdown()
+        _start_session_ray()
+        pytest.fail(f"the test left the session's Ray cluster busy after {CLEAN_WITHIN_S} s (started anew): {held}")
 
 
 def tiny_spec(tmp_path: Path, **sections) -> dict:
