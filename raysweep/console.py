@@ -171,6 +171,10 @@ def print_plan(plan) -> None:
     print(f"plan: {plan.message}", flush=True)
 
 
+def print_search(line: str) -> None:
+    print(f"search: {line}", flush=True)
+
+
 def print_waiting(line: str) -> None:
     print(f"plan: {line}", flush=True)
 
@@ -309,6 +313,11 @@ def _print_report_body(report, top: int) -> None:
         print(format_table([c.header for c in columns], rows))
     else:
         print("no trial succeeded", file=sys.stderr)
+    if report.importance is not None:
+        imp = report.importance
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in imp.importance.items())
+        print(f"knob importance for {imp.metric} at {imp.at} (fANOVA over {len(imp.points)} finished and pruned "
+              f"trials): {shares}")
     if report.recommendation is not None:
         print_recommendation(report.recommendation)
     if report.held:

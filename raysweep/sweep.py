@@ -12,7 +12,6 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from raysweep import storage
 from raysweep.errors import BrokerLost, UserError
@@ -273,7 +272,9 @@ def _tuner(sweep: Sweep, resume: bool):
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from raysweep.cluster import TRIAL_DRIVER
+    from raysweep.console import print_search
     from raysweep.relay import run_trial
+    from raysweep.search import describe, searcher
 
     config, where = sweep.config, sweep.where
     trainable = tune.with_resources(tune.with_parameters(run_trial, context=sweep.context), {TRIAL_DRIVER: 1})
@@ -282,50 +283,25 @@ def _tuner(sweep: Sweep, resume: bool):
         # (SweepContext.settled); the ones that failed for the infrastructure continue from their checkpoints
         return tune.Tuner.restore(where.experiment_path, trainable=trainable, resume_unfinished=True,
                                   resume_errored=True)
-    t, trials = config.tune, config.trials
     sweep.scheduler = sweep.asha.scheduler() if sweep.asha else None
     if sweep.single:
-        param_space, search_alg = trials.default_knobs(), None
-    else:
-        param_space = search_space(config)
-        defaults, searched = trials.default_knobs(), trials.searched()
-        # the spec's defaults run first: a known baseline every sweep can be compared against.
-        # max_concurrent must be set here: Tune ignores TuneConfig.max_concurrent_trials when search_alg is a
-        # BasicVariantGenerator instance (tune.py wraps only Searchers), and oversubscribed trials then wait for
-        # workers until they time out
-        search_alg = BasicVariantGenerator(points_to_evaluate=[{k: defaults[k] for k in searched}] if searched
-                                           else None, random_state=t.seed,
-                                           max_concurrent=sweep.plan.trials_at_once)
+        param_space, search_alg = config.trials.default_knobs(), None
+    else:  # the spec's defaults run first: a known baseline every sweep can be compared against
+        search_alg, param_space = searcher(config, sweep.plan.trials_at_once, sweep.asha.rungs)
+        print_search(describe(config))
+    # Tune wraps a Searcher (tpe) in its ConcurrencyLimiter for max_concurrent_trials but ignores it for a
+    # BasicVariantGenerator (random), which limits itself (search.searcher)
+    limit = None if isinstance(search_alg, BasicVariantGenerator) else sweep.plan.trials_at_once
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=t.metric, mode=t.mode, num_samples=sweep.num_samples, scheduler=sweep.scheduler,
-            search_alg=search_alg, max_concurrent_trials=None if search_alg else sweep.plan.trials_at_once,
+            metric=config.tune.metric, mode=config.tune.mode, num_samples=sweep.num_samples,
+            scheduler=sweep.scheduler, search_alg=search_alg,
+            max_concurrent_trials=limit,
             # the next trial starts in the actor the last one ended in (no new process: the gap between trials)
             reuse_actors=True),
         run_config=tune.RunConfig(name=where.name, storage_path=where.storage_root, callbacks=_callbacks(sweep),
                                   verbose=0))
-
-
-def search_space(config) -> dict[str, Any]:
-    """Tune's param_space: one entry per set knob (fixed values pass through)."""
-    from ray import tune
-
-    from raysweep.config import Choice, LogUniform, RandInt, Uniform
-
-    space = {}
-    for name, knob in config.search.knobs().items():
-        if isinstance(knob, Choice):
-            space[name] = tune.choice(list(knob.choice))
-        elif isinstance(knob, LogUniform):
-            space[name] = tune.loguniform(*knob.loguniform)
-        elif isinstance(knob, Uniform):
-            space[name] = tune.uniform(*knob.uniform)
-        elif isinstance(knob, RandInt):
-            space[name] = tune.randint(knob.randint[0], knob.randint[1] + 1)  # Tune's high is exclusive
-        else:
-            space[name] = knob
-    return space
 
 
 def resolve_batch_cap(config, cap_batch: int | None) -> int | None:

@@ -6,7 +6,6 @@ from raysweep.cli import main
 from raysweep.cluster import plan_concurrency
 from raysweep.config import load_config
 from raysweep.errors import UserError
-from raysweep.sweep import search_space
 from raysweep.tracking import resolve_tracking_uri
 
 from conftest import tiny_spec, write_spec
@@ -226,8 +225,10 @@ def test_plan_respects_cpus_cap_and_trial_drivers(tmp_path):
 def test_search_space_maps_each_distribution(tmp_path):
     from ray.tune.search.sample import Categorical, Float, Integer, LogUniform, Uniform
 
+    from raysweep.search import tune_space
+
     search = {**SWEEP["search"], "weight_decay": {"uniform": [0.0, 0.01]}, "grad_accum_steps": 2}
-    space = search_space(load_config_from(tmp_path, {**SWEEP, "search": search}))
+    space = tune_space(load_config_from(tmp_path, {**SWEEP, "search": search}).search.knobs())
     assert isinstance(space["per_gpu_batch_size"], Categorical) and space["per_gpu_batch_size"].categories == [16, 32]
     lr = space["base_lr"]
     assert isinstance(lr, Float) and isinstance(lr.get_sampler(), LogUniform) and (lr.lower, lr.upper) == (1e-5, 3e-3)

@@ -195,6 +195,9 @@ class TuneSection(Section):
         "leaves (another sweep on the cluster may need them); null → kept until the sweep ends"
     )
     seed: Int = Field(0, description="search seed")
+    search: Literal["random", "tpe"] = Field(
+        "random", description="how trials are drawn: random (independent samples) or tpe (Optuna's TPE through "
+        "Tune: each trial drawn from what the finished and pruned ones scored); the baseline runs first either way")
     asha: AshaConfig = AshaConfig()
     target: TargetConfig | None = Field(
         None, description="{metric, value, stop}: log each trial's time_to_target_s and rank by it (trials that "

@@ -47,6 +47,9 @@ class SweepConfig(Section):
         `train` runs no ASHA, so it never asks: a user shortening a run with `--set train.epochs=2`
         need not know about ASHA.
         """
+        if self.tune.search == "tpe" and not self.trials.searched():
+            return ("tune.search: tpe has no searched knob to model; give one a distribution (e.g. search.base_lr: "
+                    "{loguniform: [1.0e-4, 3.0e-3]}) or use tune.search: random")
         asha = self.tune.asha
         max_t = self.max_t
         if asha.unit == "seconds":

@@ -8,6 +8,8 @@ and with it this file); this package only computes and draws:
 
 - table.py: the summary table (rows, columns, the missing-value rule), which the console prints too;
 - plots.py: every PNG (the sweep's, each trial's, the probe's);
+- importance.py: which knob mattered (fANOVA at a budget every compared trial reached), and trials named by their
+  settings;
 - page.py: report.html;
 - here: what the report computes (the recommendation and how it held), building it, publishing it into a folder of
   its own (`claim_folder`), and the `report` subcommand.
@@ -15,6 +17,7 @@ and with it this file); this package only computes and draws:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from dataclasses import dataclass
@@ -26,11 +29,12 @@ from raysweep.metrics import RunRecord, SweepRecord
 from raysweep.metrics import names as M
 from raysweep.noise import Held, Recommendation, held_against, recommend
 from raysweep.report import page
+from raysweep.report.importance import Importance, knob_importance, trial_labels
 from raysweep.report.plots import PLOTS, sweep_plots, trial_plot
 from raysweep.report.table import SummaryRow, ranked, summary_rows
 
-__all__ = ["PLOTS", "REPORT_MARKER", "SummaryRow", "SweepReport", "build", "claim_folder", "foreign_files", "held",
-           "publish", "ranked", "recommendation", "run", "summary_rows"]
+__all__ = ["PLOTS", "REPORT_MARKER", "Importance", "SummaryRow", "SweepReport", "build", "claim_folder",
+           "foreign_files", "held", "publish", "ranked", "recommendation", "run", "summary_rows"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class SweepReport:
     baseline: RunRecord | None
     recommendation: Recommendation | None
     held: list[Held]  # the recommendation against the sweep's measured times to the target, per global batch
+    importance: Importance | None  # which knob mattered (report/importance.py); None with too few trials
     folder: str  # where the files are
     files: list[str]  # file names in `folder`: plots and report.html
 
@@ -85,16 +90,18 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
     rows, baseline = summary_rows(record)
     advice = recommendation(record)
     checked = held(record, advice)
-    files = sweep_plots(record, [row.trial for row in rows], advice, folder)
+    importance = knob_importance(record)
+    files = sweep_plots(record, [row.trial for row in rows], advice, importance, folder)
+    labels = trial_labels(record)
     trial_pngs = {}
     for t in record.trials:
         if t.history:
             path = folder / "trials" / f"{t.trial_id}.png"
-            trial_plot(t, record.metric, path)
+            trial_plot(t, record.metric, labels[t.trial_id], path)
             trial_pngs[t.run_id] = path
-    report = SweepReport(record, rows, baseline, advice, checked, str(folder), files)
+    report = SweepReport(record, rows, baseline, advice, checked, importance, str(folder), files)
     (folder / "report.html").write_text(page.render(report, ui_base))
-    return SweepReport(record, rows, baseline, advice, checked, str(folder), [*files, "report.html"]), trial_pngs
+    return dataclasses.replace(report, files=[*files, "report.html"]), trial_pngs
 
 
 REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote the folder (claim_folder)
@@ -102,11 +109,11 @@ REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote t
 
 def publish(record: SweepRecord, location: str) -> SweepReport:
     """Build the report into `location` (a folder, or a URI under shared storage) and log it to MLflow: the
-    files and summary.json on the parent run, each trial's PNG on its child run, the recommendation.
+    files and summary.json on the parent run, each trial's PNG on its child run, the recommendation and the knobs'
+    importance.
 
     The report is built in a folder of its own, so that MLflow gets the report's files and nothing else, then
     copied to `location`; a local folder must be new, empty or a report raysweep wrote (`claim_folder`)."""
-    import dataclasses
     import shutil
     import tempfile
 
@@ -122,6 +129,8 @@ def publish(record: SweepRecord, location: str) -> SweepReport:
                             [row.as_dict(record.metric) for row in report.rows])
         if report.recommendation is not None:
             tracking.log_recommendation(record.tracking_uri, record.parent_run_id, report.recommendation)
+        if report.importance is not None:
+            tracking.log_importance(record.tracking_uri, record.parent_run_id, report.importance.as_dict())
         if local:
             shutil.rmtree(Path(location) / "trials", ignore_errors=True)  # a rebuilt report holds this sweep's only
             storage.write_text(str(Path(location) / REPORT_MARKER), "written by `raysweep report`; rewritten by it\n")

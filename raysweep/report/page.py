@@ -10,6 +10,7 @@ import base64
 import html
 from pathlib import Path
 
+from raysweep.report.importance import MIN_TRIALS
 from raysweep.report.plots import PLOTS
 from raysweep.report.table import counted, fmt, shown
 
@@ -46,6 +47,7 @@ def render(report, ui_base: str) -> str:
 <h2>Trials</h2>
 {_summary(report, run_url)}
 {_advice(report)}
+{_importance(report)}
 <h2>Plots</h2>
 {_images(report)}
 <h2>Spec</h2>
@@ -101,6 +103,23 @@ def _advice(report) -> str:
                 f"<th>measured s</th><th>predicted s</th><th>error</th><th>measured samples</th>"
                 f"<th>predicted samples</th></tr>{cells}</table>")
     return out
+
+
+def _importance(report) -> str:
+    """Which knob mattered (report/importance.py): each searched knob's share, largest first."""
+    imp = report.importance
+    head = "<h2 id='importance'>Which knob mattered</h2>"
+    if imp is None:
+        return (f"{head}<p>Not computed: it needs a searched knob and {MIN_TRIALS} or more finished and pruned "
+                f"trials.</p>")
+    cells = "".join(f"<tr><td>{html.escape(name)}</td><td>{share:.0%}</td><td style='text-align:left'>"
+                    f"<span style='display:inline-block;background:#4c72b0;height:10px;width:{share * 200:.0f}px'>"
+                    f"</span></td></tr>" for name, share in imp.importance.items())
+    return (f"{head}<p>Each searched knob's share of the variance of <b>{html.escape(imp.metric)}</b> at "
+            f"<b>{html.escape(imp.at)}</b>, the budget all {len(imp.points)} finished and pruned trials reached "
+            f"(fANOVA: a random forest fitted to knobs → metric, its variance split by knob). Shares from few trials "
+            f"are rough: read them with the parallel-coordinates plot below.</p><table id='importance'>"
+            f"<tr><th>knob</th><th>importance</th><th></th></tr>{cells}</table>")
 
 
 def _images(report) -> str:

@@ -6,10 +6,12 @@ of a metric per trial, against epochs or training seconds, all go through `_curv
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from raysweep.metrics import FAILED, PRUNED, RunRecord, SweepRecord
 from raysweep.metrics import names as M
+from raysweep.report.importance import trial_labels
 
 PLOTS = {  # file → what it shows (the HTML's captions)
     "metric_curves.png": "the ranking metric per epoch, one line per trial; × where ASHA pruned, ! where a trial "
@@ -20,6 +22,9 @@ PLOTS = {  # file → what it shows (the HTML's captions)
     "batch_lr.png": "global batch × peak LR, coloured by the final ranking metric; the best ringed",
     "throughput_memory.png": "training throughput and peak memory against the per-GPU batch",
     "noise_scale.png": "the gradient noise scale per epoch, and the predicted time to the same loss per global batch",
+    "parallel_coordinates.png": "each finished and pruned trial's knobs (one axis each, its fANOVA importance under "
+                                "its name) and its ranking metric at the budget they all reached, coloured by that "
+                                "metric (brighter is better); the baseline dashed",
 }
 
 
@@ -37,12 +42,8 @@ def _colors(trials: list[RunRecord]) -> dict[str, tuple]:
     return {t.trial_id: cmap(i % cmap.N) for i, t in enumerate(trials)}
 
 
-def _label(t: RunRecord) -> str:
-    return f"{t.trial_id}{' (baseline)' if t.baseline else ''}"
-
-
-def _curves(ax, trials: list[RunRecord], name: str, colors: dict, *, clock: str | None = None,
-            best: RunRecord | None = None, start: tuple[float, float] | None = None, label=_label) -> list[tuple]:
+def _curves(ax, trials: list[RunRecord], name: str, colors: dict, label, *, clock: str | None = None,
+            best: RunRecord | None = None, start: tuple[float, float] | None = None) -> list[tuple]:
     """One line per trial: metric `name` per epoch, or against the metric `clock` (e.g. train_seconds) at the epochs
     that have both. `start`: a point before the first epoch (the LR before the first step); `best`: its line thick,
     the others thin; `label(trial)`: the legend's. Returns (trial, last x, last y) of each trial drawn."""
@@ -83,20 +84,24 @@ def _axes(ax, xlabel: str, ylabel: str, title: str, legend: bool = True, **title
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
 
-def sweep_plots(record: SweepRecord, ranked: list[RunRecord], advice, folder: Path) -> list[str]:
+def sweep_plots(record: SweepRecord, ranked: list[RunRecord], advice, importance, folder: Path) -> list[str]:
     """The sweep's plots (PLOTS) into `folder`; returns the file names written (noise_scale.png only where a trial
-    measured B_noise). `ranked`: the trials that rank, best first (report.table.ranked); `advice`:
-    noise.Recommendation or None."""
+    measured B_noise, parallel_coordinates.png only with an importance). `ranked`: the trials that rank, best first
+    (report.table.ranked); `advice`: noise.Recommendation or None; `importance`: report.importance.Importance or
+    None. Legends name each trial by its settings (report.importance.trial_labels)."""
     plt = _pyplot()
     colors = _colors(record.trials)
+    labels = trial_labels(record)
+    label = lambda t: labels[t.trial_id]  # noqa: E731
     best = ranked[0] if ranked else None
     figures = {
-        "metric_curves.png": _metric_curves(plt, record, best, colors),
-        "metric_time.png": _metric_time(plt, record, best, colors),
-        "lr_schedule.png": _lr_schedule(plt, record, colors),
-        "batch_lr.png": _batch_lr(plt, record, ranked),
+        "metric_curves.png": _metric_curves(plt, record, best, colors, label),
+        "metric_time.png": _metric_time(plt, record, best, colors, label),
+        "lr_schedule.png": _lr_schedule(plt, record, colors, label),
+        "batch_lr.png": _batch_lr(plt, record, ranked, label),
         "throughput_memory.png": _throughput_memory(plt, record, colors),
-        "noise_scale.png": _noise_scale(plt, record, advice, colors),
+        "noise_scale.png": _noise_scale(plt, record, advice, colors, label),
+        "parallel_coordinates.png": _parallel_coordinates(plt, importance, label),
     }
     written = []
     for name, fig in figures.items():
@@ -108,19 +113,20 @@ def sweep_plots(record: SweepRecord, ranked: list[RunRecord], advice, folder: Pa
     return written
 
 
-def _metric_curves(plt, record: SweepRecord, best, colors):
+def _metric_curves(plt, record: SweepRecord, best, colors, label):
     fig, ax = plt.subplots(figsize=(9, 4.8))
-    _mark_ends(ax, _curves(ax, record.trials, record.metric, colors, best=best), colors)
+    _mark_ends(ax, _curves(ax, record.trials, record.metric, colors, label, best=best), colors)
     _axes(ax, "epoch", record.metric,
           f"{record.experiment}: {record.metric} per epoch (× pruned by ASHA, X failed; thick: best)")
     return fig
 
 
-def _metric_time(plt, record: SweepRecord, best, colors):
+def _metric_time(plt, record: SweepRecord, best, colors, label):
     """The ranking metric against training seconds: what the time users pay buys."""
     fig, ax = plt.subplots(figsize=(9, 4.8))
-    ends = _curves(ax, record.trials, record.metric, colors, clock=M.train_seconds, best=best,
-                   label=lambda t: f"{_label(t)} (batch {t.params.get(M.global_batch_size, '?')})")
+    ends = _curves(ax, record.trials, record.metric, colors,
+                   lambda t: f"{label(t)} (global {t.params.get(M.global_batch_size, '?')})", clock=M.train_seconds,
+                   best=best)
     _mark_ends(ax, ends, colors, failed=False)
     if record.target is not None:
         for t, _, _ in ends:
@@ -133,15 +139,15 @@ def _metric_time(plt, record: SweepRecord, best, colors):
     return fig
 
 
-def _lr_schedule(plt, record: SweepRecord, colors):
+def _lr_schedule(plt, record: SweepRecord, colors, label):
     fig, ax = plt.subplots(figsize=(9, 4.8))
-    _curves(ax, record.trials, M.lr, colors, start=(0, 0.0))
+    _curves(ax, record.trials, M.lr, colors, label, start=(0, 0.0))
     _axes(ax, "epoch (LR at the epoch's end; 0 = before the first step)", "learning rate",
           "LR schedule run by each trial: linear warmup, then cosine to the floor")
     return fig
 
 
-def _batch_lr(plt, record: SweepRecord, ranked: list[RunRecord]):
+def _batch_lr(plt, record: SweepRecord, ranked: list[RunRecord], label):
     """Global batch × peak LR of the ranked trials, coloured by the final metric; the best ringed, failures X."""
     fig, ax = plt.subplots(figsize=(7.5, 5))
     if ranked:
@@ -151,7 +157,7 @@ def _batch_lr(plt, record: SweepRecord, ranked: list[RunRecord]):
                         cmap="viridis_r" if record.mode == "min" else "viridis", edgecolors="grey", zorder=2)
         fig.colorbar(sc, ax=ax, label=f"final {record.metric}")
         ax.scatter([best.number(M.global_batch_size)], [best.number(M.peak_lr)], s=260, facecolors="none",
-                   edgecolors="red", linewidths=2, label=f"best: {best.trial_id}", zorder=3)
+                   edgecolors="red", linewidths=2, label=f"best: {label(best)}", zorder=3)
         failed = [t for t in record.trials if t.status == FAILED and t.number(M.global_batch_size)]
         if failed:
             ax.scatter([t.number(M.global_batch_size) for t in failed], [t.number(M.peak_lr) for t in failed],
@@ -181,12 +187,12 @@ def _throughput_memory(plt, record: SweepRecord, colors):
     return fig
 
 
-def _noise_scale(plt, record: SweepRecord, advice, colors):
+def _noise_scale(plt, record: SweepRecord, advice, colors, label):
     """B_noise per epoch, and the recommendation's predicted cost per global batch; None: no trial measured it."""
     if not any(t.history.get(M.grad_noise_scale) for t in record.trials):
         return None
     fig, (ax_noise, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    _curves(ax_noise, record.trials, M.grad_noise_scale, colors)
+    _curves(ax_noise, record.trials, M.grad_noise_scale, colors, label)
     ax_noise.set_yscale("log")
     _axes(ax_noise, "epoch", "B_noise (samples)", "gradient noise scale per epoch (grows as training proceeds)")
     if advice is None:
@@ -208,8 +214,63 @@ def _noise_scale(plt, record: SweepRecord, advice, colors):
     return fig
 
 
-def trial_plot(t: RunRecord, metric: str, path: Path) -> None:
-    """One trial's curves: losses, accuracies, LR (and B_noise where measured)."""
+def _parallel_coordinates(plt, importance, label):
+    """One vertical axis per searched knob (its range from the spec; log for loguniform, one tick per choice) and
+    one for the metric at the common budget; each compared trial a line coloured by that metric."""
+    if importance is None:
+        return None
+    from matplotlib.colors import Normalize
+
+    imp, knobs = importance, importance.knobs
+    values = [v for _, _, v in imp.points]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    cmap = _pyplot().get_cmap("viridis_r" if imp.mode == "min" else "viridis")  # the better, the brighter
+    norm = Normalize(low, high if high > low else low + 1.0)
+
+    def position(knob, value) -> float:
+        if knob.kind == "choice":
+            return knob.values.index(value) / max(len(knob.values) - 1, 1)
+        lo, hi = float(knob.values[0]), float(knob.values[1])
+        if hi == lo:
+            return 0.5
+        if knob.log:
+            return (math.log(value) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return (value - lo) / (hi - lo)
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    xs = list(range(len(knobs) + 1))
+    worst_first = sorted(imp.points, key=lambda p: -p[2] if imp.mode == "min" else p[2])  # the best drawn on top
+    for t, knob_values, value in worst_first:
+        ys = [position(k, knob_values[k.name]) for k in knobs] + [(value - low) / span]
+        ax.plot(xs, ys, color=cmap(norm(value)), marker="o", markersize=4, alpha=0.9,
+                linewidth=2.5 if t.baseline else 1.4, linestyle="--" if t.baseline else "-",
+                label=label(t) if t.baseline else None, zorder=3 if t.baseline else 2)
+    for i, knob in enumerate(knobs):
+        ax.axvline(i, color="grey", linewidth=0.8, zorder=1)
+        ticks = (list(knob.values) if knob.kind == "choice" else
+                 [float(knob.values[0]), float(knob.values[1])])
+        for tick in ticks:
+            ax.annotate(knob.show(tick), (i, position(knob, tick)), textcoords="offset points", xytext=(-4, 0),
+                        ha="right", va="center", fontsize=8, color="dimgrey")
+    ax.axvline(len(knobs), color="grey", linewidth=0.8, zorder=1)
+    for tick in (low, high):
+        ax.annotate(f"{tick:.4g}", (len(knobs), (tick - low) / span), textcoords="offset points", xytext=(4, 0),
+                    ha="left", va="center", fontsize=8, color="dimgrey")
+    ax.set_xticks(xs, [f"{k.name}\n{imp.importance.get(k.name, 0.0):.0%} importance" for k in knobs]
+                  + [f"{imp.metric}\nat {imp.at}"])
+    ax.set_yticks([])
+    ax.set_xlim(-0.6, len(knobs) + 0.6)
+    fig.colorbar(_pyplot().cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"{imp.metric} at {imp.at}")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(0.0, -0.16), fontsize=8, frameon=False)
+    ax.set_title(f"knobs against {imp.metric} at {imp.at}: {len(imp.points)} finished and pruned trials "
+                 f"(dashed: the baseline)", fontsize=10)
+    return fig
+
+
+def trial_plot(t: RunRecord, metric: str, label: str, path: Path) -> None:
+    """One trial's curves: losses, accuracies, LR (and B_noise where measured); `label`: its settings."""
     plt = _pyplot()
     path.parent.mkdir(parents=True, exist_ok=True)
     panels = [("loss", (M.train_loss, M.val_loss)), ("accuracy", (M.val_exact_acc, M.val_char_acc)),
@@ -227,7 +288,7 @@ def trial_plot(t: RunRecord, metric: str, path: Path) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     final = t.last(metric)
-    fig.suptitle(f"trial {_label(t)}: {t.status} at epoch {t.epoch}, "
+    fig.suptitle(f"trial {t.trial_id} ({label}): {t.status} at epoch {t.epoch}, "
                  f"global batch {t.params.get(M.global_batch_size, '?')}, peak LR {t.number(M.peak_lr) or 0:.2e}; "
                  f"final {metric} {final if final is not None else float('nan'):.4g}")
     fig.tight_layout()

@@ -13,7 +13,7 @@
 """
 
 from raysweep.tracking.orphans import Heartbeat, reconcile_orphans
-from raysweep.tracking.published import log_probe, log_recommendation, log_report
+from raysweep.tracking.published import log_importance, log_probe, log_recommendation, log_report
 from raysweep.tracking.reads import (
     epoch_seconds_by_batch,
     last_noise_scale,
@@ -38,7 +38,7 @@ from raysweep.tracking.writer import Writer, flush_writes, writer
 
 __all__ = [
     "Heartbeat", "TrialRuns", "Writer", "close_sweep", "end_sweep", "epoch_seconds_by_batch", "find_parent",
-    "flush_writes", "last_noise_scale", "load_sweep", "log_probe", "log_recommendation", "log_report",
+    "flush_writes", "last_noise_scale", "load_sweep", "log_importance", "log_probe", "log_recommendation", "log_report",
     "log_sweep_figures", "open_sweep", "reconcile_orphans", "reopen", "resolve_tracking_uri", "resumed_parent",
     "runs_link", "settled_trials", "spec_of", "sqlite_path", "target_tags", "trial_histories", "writer",
 ]

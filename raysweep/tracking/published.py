@@ -39,6 +39,19 @@ def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
     client.log_text(run_id, json.dumps(rec.as_dict(), indent=1), "recommendation.json")
 
 
+def log_importance(tracking_uri: str, run_id: str, importance: dict) -> None:
+    """The knobs' importance on the sweep's parent run (`importance`: report.Importance.as_dict): a metric
+    `importance_<knob>` each, and the whole as importance.json (the budget it was taken at, the trials)."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(f"importance_{knob}", share, now, 0)
+                                      for knob, share in importance["importance"].items()])
+    client.log_text(run_id, json.dumps(importance, indent=1), "importance.json")
+
+
 def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin: float, plot: Path) -> str:
     """The probe as an MLflow run of its own (`result`: probe.ProbeResult): metrics per batch (step = per-GPU batch),
     the recommendation as params, the JSON table and its plot (`plot`: a PNG, report.plots.probe_plot). Returns

@@ -4,11 +4,17 @@ artifacts read back, the UI's link to a sweep's runs."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from raysweep.errors import UserError
 
 log = logging.getLogger(__name__)
+
+# MLflow draws a tqdm bar on stderr for every artifact it moves once tqdm is installed (Optuna, for tune.search:
+# tpe, brings it): a report would print "Downloading artifacts" bars for a spec of a few hundred bytes. A user's
+# own setting of the variable wins (mlflow/environment_variables.py, MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR).
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def resolve_tracking_uri(uri: str | None, cwd: Path | None = None) -> str:
