@@ -316,7 +316,7 @@ def _print_report_body(report, top: int) -> None:
     if report.importance is not None:
         imp = report.importance
         shares = ", ".join(f"{name} {share:.0%}" for name, share in imp.importance.items())
-        print(f"knob importance for {imp.metric} at {imp.at} (fANOVA over {len(imp.points)} finished and pruned "
+        print(f"\nknob importance for {imp.metric} at {imp.at} (fANOVA over {len(imp.points)} finished and pruned "
               f"trials): {shares}")
     if report.recommendation is not None:
         print_recommendation(report.recommendation)

@@ -159,13 +159,15 @@ def test_importance_is_taken_at_the_budget_every_trial_reached_and_finds_the_kno
     assert "knob importance for val_loss at epoch 2 (fANOVA over 12 finished and pruned trials): base_lr " in out
 
 
-def test_importance_needs_three_compared_trials_and_a_searched_knob():
+def test_importance_needs_five_compared_trials_and_a_searched_knob():
     import dataclasses
 
     from raysweep.report.importance import knob_importance
 
     record = _known_record()
-    assert knob_importance(dataclasses.replace(record, trials=record.trials[:2])) is None
+    assert knob_importance(dataclasses.replace(record, trials=record.trials[:5])) is not None
+    # five trials and a failed one: four compared
+    assert knob_importance(dataclasses.replace(record, trials=[*record.trials[:4], record.trials[-1]])) is None
     assert knob_importance(dataclasses.replace(record, spec_text="search: {base_lr: 0.001}\n")) is None
 
 
