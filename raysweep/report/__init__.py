@@ -91,8 +91,8 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
     advice = recommendation(record)
     checked = held(record, advice)
     importance = knob_importance(record)
-    files = sweep_plots(record, [row.trial for row in rows], advice, importance, folder)
     labels = trial_labels(record)
+    files = sweep_plots(record, [row.trial for row in rows], advice, importance, labels, folder)
     trial_pngs = {}
     for t in record.trials:
         if t.history:

@@ -66,14 +66,20 @@ class Knob:
         return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def searched_knobs(spec_text: str) -> list[Knob]:
-    """The knobs the logged spec searched, in its order ([] when it searched none or cannot be read)."""
+def _logged_spec(spec_text: str) -> dict:
+    """The spec a sweep logged (spec.yaml on its parent run), as YAML; {} when it cannot be read."""
     import yaml
 
     try:
-        search = (yaml.safe_load(spec_text or "") or {}).get("search") or {}
+        spec = yaml.safe_load(spec_text or "")
     except yaml.YAMLError:
-        return []
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def searched_knobs(spec_text: str) -> list[Knob]:
+    """The knobs the logged spec searched, in its order ([] when it searched none or cannot be read)."""
+    search = _logged_spec(spec_text).get("search") or {}
     knobs = []
     for name, value in search.items():
         if isinstance(value, dict):
@@ -111,13 +117,7 @@ def trial_labels(record: SweepRecord) -> dict[str, str]:
 
 def time_attr(spec_text: str) -> str:
     """ASHA's clock in the logged spec: train_seconds (tune.asha.unit: seconds), else epoch."""
-    import yaml
-
-    try:
-        spec = yaml.safe_load(spec_text or "") or {}
-    except yaml.YAMLError:
-        return "epoch"
-    unit = ((spec.get("tune") or {}).get("asha") or {}).get("unit")
+    unit = ((_logged_spec(spec_text).get("tune") or {}).get("asha") or {}).get("unit")
     return "train_seconds" if unit == "seconds" else "epoch"
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from raysweep.metrics import FAILED, PRUNED, RunRecord, SweepRecord
 from raysweep.metrics import names as M
-from raysweep.report.importance import trial_labels
 
 PLOTS = {  # file → what it shows (the HTML's captions)
     "metric_curves.png": "the ranking metric per epoch, one line per trial; × where ASHA pruned, ! where a trial "
@@ -84,14 +83,14 @@ def _axes(ax, xlabel: str, ylabel: str, title: str, legend: bool = True, **title
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
 
-def sweep_plots(record: SweepRecord, ranked: list[RunRecord], advice, importance, folder: Path) -> list[str]:
+def sweep_plots(record: SweepRecord, ranked: list[RunRecord], advice, importance, labels: dict[str, str],
+                folder: Path) -> list[str]:
     """The sweep's plots (PLOTS) into `folder`; returns the file names written (noise_scale.png only where a trial
     measured B_noise, parallel_coordinates.png only with an importance). `ranked`: the trials that rank, best first
     (report.table.ranked); `advice`: noise.Recommendation or None; `importance`: report.importance.Importance or
-    None. Legends name each trial by its settings (report.importance.trial_labels)."""
+    None; `labels`: {trial id: its settings} for the legends (report.importance.trial_labels)."""
     plt = _pyplot()
     colors = _colors(record.trials)
-    labels = trial_labels(record)
     label = lambda t: labels[t.trial_id]  # noqa: E731
     best = ranked[0] if ranked else None
     figures = {
