@@ -84,7 +84,7 @@ def cmd_probe(args) -> int:
     from raysweep import probe
     from raysweep.config import load_config
 
-    config = load_config(args.spec, args.overrides, sweep=False)
+    config = load_config(args.spec, args.overrides, sweep=False, trial=False)
     return probe.run(config, address=args.address, start=args.start, max_batch=args.max_batch, margin=args.margin,
                      max_memory_gb=args.max_memory_gb, verbose=args.verbose, noise_scale=args.noise_scale)
 
@@ -96,16 +96,27 @@ def cmd_report(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from raysweep import tracking
+    from raysweep import console, tracking
     from raysweep.asha import AshaPlan, rung_table
     from raysweep.config import load_config
-    from raysweep.console import print_check
+    from raysweep.data import load_data
+    from raysweep.data.describe import describe
+    from raysweep.data.synthetic import synthetic_cached
+    from raysweep.sweep import static_batch_cap
 
     config = load_config(args.spec, args.overrides)
+    # the data as a sweep reads it (a folder decoded once, then from its cache); a synthetic set not rendered yet is
+    # described from the spec alone (rendering 50,000 captchas is the sweep's first minutes, not check's)
+    data = None
+    if config.data.train_dir is not None or synthetic_cached(config.data):
+        data = load_data(config.data, console.progress_printer())
+    train_size = len(data.train) if data is not None else config.data.synthetic.train_size
+    config.trials.check_data_fits(train_size, static_batch_cap(config, None), source=config.source)
     # the rungs in the other unit need each batch's epoch seconds: what this experiment's trials measured
     seconds = tracking.epoch_seconds_by_batch(tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
                                               config.experiment_name)
-    print_check(config, (rung_table(AshaPlan.of(config), config.trials.global_batches(), seconds), seconds))
+    console.print_check(config, train_size, (rung_table(AshaPlan.of(config), config.trials.global_batches(), seconds),
+                                             seconds), describe(data, config.data.charset) if data else None)
     return 0
 
 

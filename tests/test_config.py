@@ -232,7 +232,11 @@ def test_train_ignores_asha_so_epochs_can_be_shortened(tmp_path):
     with pytest.raises(UserError, match="tune.asha.max_t: 6 exceeds train.epochs 2"):
         load_config(path, ["train.epochs=2"])  # `tune` still refuses a contradiction the user wrote
     quickstart = ROOT / "search_spaces" / "quickstart.yaml"
-    assert load_config(quickstart, ["train.epochs=2"]).max_t == 2  # unset max_t follows the epochs
+    assert load_config(quickstart, ["train.epochs=3"]).max_t == 3  # unset max_t follows the epochs
+    # but a warmup must end before the trial does, in `train` too: quickstart's warmup reaches 2 epochs
+    with pytest.raises(UserError, match=r"search\.warmup_epochs: the largest warmup_epochs in the search \(2\) is not "
+                                        r"shorter than train\.epochs \(2\)"):
+        load_config(quickstart, ["train.epochs=2"], sweep=False)
     # the `train` command gets past the spec (and fails later, on the bad address, without starting Ray)
     proc = subprocess.run([sys.executable, "-m", "raysweep", "train", str(path), "--set", "train.epochs=2",
                            "--address", "not-an-address"], capture_output=True, text=True, timeout=120)
@@ -247,14 +251,21 @@ def test_data_too_small_for_the_trial_is_a_one_line_error(tmp_path):
     config = load_config(write_spec(tmp_path, tiny_spec(tmp_path, search={
         "per_gpu_batch_size": {"choice": [1, 16]}, "grad_accum_steps": {"choice": [1, 8]},
         "base_lr": 1.0e-3, "warmup_epochs": 1, "weight_decay": 0.0})))
-    config.trials.check_data_fits(192)  # 96 per rank: even batch 1 × 8 accumulation steps fits
+    config.trials.check_data_fits(256)  # 128 per rank: the largest, batch 16 × 8 accumulation steps, fits
     with pytest.raises(UserError) as e:
-        config.trials.check_data_fits(14)  # 7 per rank, but batch 1 × 8 accumulation needs 8 micro-batches
+        config.trials.check_data_fits(14)  # 7 per rank, but batch 1 × 8 accumulation steps is one step of 8
     assert str(e.value) == (
-        "data: 14 training images give each of 2 workers 7, too few for 8 micro-batches per epoch (per-GPU batch 1 × "
-        "8 accumulation steps, global batch 16); use more training images (data.synthetic.train_size or "
-        "data.train_dir), or fewer scaling.num_workers or grad_accum_steps")
+        "search.per_gpu_batch_size: 1 × 8 accumulation step(s) is more than a rank's share of the training set (14 "
+        "images over 2 workers: 7 each): it would run one step of 7 per rank with the LR scaled for 8; the largest "
+        "per-GPU batch this data runs is 1: lower the batch, or use more training images")
     config.trials.check_data_fits(14, searched=False)  # the defaults (batch 1, 1 step) fit
+    # a per-GPU batch cut into micro-batches by a cap needs a sample per micro-batch: batch 2 capped at 1 on 6 images
+    # is 2 steps of 2 micro-batches per rank, and a rank's share holds 3
+    import dataclasses
+
+    two = dataclasses.replace(config.trials, search=config.search.model_copy(update={"per_gpu_batch_size": 2}))
+    with pytest.raises(UserError, match=r"^spec.yaml: data: 6 training images give each of 2 workers 3, too few for 4"):
+        two.check_data_fits(6, batch_cap=1, searched=False, source="spec.yaml")
 
 
 
@@ -278,9 +289,8 @@ def test_the_trial_factory_is_the_specs_slice_that_makes_trials_and_travels_to_t
     assert (trial.image.width, trial.image.height, trial.image.num_classes) == (64, 24, 36)
     assert trial.to_dict() == config.trials.trial({"per_gpu_batch_size": 64, "grad_accum_steps": 2}, 1024, 32).to_dict()
     trials.check_data_fits(1024, batch_cap=32)
-    with pytest.raises(UserError, match=r"^data: 2 training images give each of 2 workers 1, too few for 2 micro"):
-        trials.check_data_fits(2)  # batch 16 × 2 accumulation steps: 2 micro-batches per epoch, 1 sample per rank
-    trials.check_data_fits(2, searched=False)  # the defaults (16 × 1 step) make one micro-batch
+    with pytest.raises(UserError, match=r"^search.per_gpu_batch_size: 16 × 1 accumulation step\(s\) is more than a "):
+        trials.check_data_fits(2)  # batch 16 on a share of 1: one step of 1 sample, the LR scaled for 16
 
 @pytest.mark.parametrize("argv, expected", [
     (["tune", "SPEC", "--resume"], "--resume: no sweep at"),
@@ -301,3 +311,63 @@ def test_readme_documents_every_metric_and_worker_param():
     readme = (ROOT / "README.md").read_text()
     missing = [name for name in METRIC_NAMES if f"`{name}`" not in readme]
     assert not missing, f"README's metric table lacks {missing}"
+
+
+@pytest.mark.parametrize("knob, value, expected", [
+    ("base_lr", "{uniform: [0, 3.0e-3]}", "search.base_lr.uniform[0]: must be above 0.0, got 0"),
+    ("base_lr", "{choice: [0.0, 1.0e-3]}", "search.base_lr.choice[0]: must be above 0.0, got 0.0"),
+    ("per_gpu_batch_size", "{randint: [0, 64], default: 32}", "search.per_gpu_batch_size.randint[0]: must be above 0"),
+    ("warmup_epochs", "{randint: [-1, 2]}", "search.warmup_epochs.randint[0]: must be at least 0, got -1"),
+    ("warmup_epochs", "{uniform: [-0.5, 2]}", "search.warmup_epochs.uniform[0]: must be at least 0.0, got -0.5"),
+    ("weight_decay", "{uniform: [-1.0e-4, 1.0e-2]}", "search.weight_decay.uniform[0]: must be at least 0.0"),
+    ("grad_accum_steps", "{randint: [0, 4]}", "search.grad_accum_steps.randint[0]: must be above 0, got 0"),
+])
+def test_every_knob_range_is_checked_against_what_a_trial_takes(tmp_path, capsys, knob, value, expected):
+    """A range that draws a value a trial refuses (base_lr 0, batch 0) is one line where it is written: `check` printed
+    pydantic's traceback, and `tune` failed every trial that drew it."""
+    from raysweep.cli import main
+
+    assert expected in _error(tmp_path, f"search:\n  {knob}: {value}\n")
+    assert main(["check", str(tmp_path / "spec.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err
+
+
+@pytest.mark.parametrize("text, overrides, expected", [
+    # `train`'s and `tune`'s trial: a fixed warmup as long as the epochs
+    ("train: {epochs: 2}\nsearch: {warmup_epochs: 5}\n", (), "search.warmup_epochs: warmup_epochs (5) is not shorter "
+     "than train.epochs (2): a trial would end before its LR reaches peak_lr; lower warmup_epochs below 2"),
+    # ASHA in seconds checks no warmup against grace: the epochs still end every trial
+    ("train: {epochs: 3, time_budget_s: 30}\nsearch: {warmup_epochs: {randint: [0, 3]}}\ntune: {asha: {unit: seconds, "
+     "grace_period: 5}}\n", (), "search.warmup_epochs: the largest warmup_epochs in the search (3) is not shorter"),
+    # allow_grace_within_warmup lets ASHA judge trials in warmup, not trials that never leave it
+    ("train: {epochs: 4}\nsearch: {warmup_epochs: {choice: [1, 4]}}\ntune: {asha: {grace_period: 1, "
+     "allow_grace_within_warmup: true}}\n", (), "search.warmup_epochs: the largest warmup_epochs in the search (4)"),
+    # ASHA ends every trial at max_t
+    ("train: {epochs: 8}\nsearch: {warmup_epochs: {randint: [0, 4]}}\ntune: {asha: {max_t: 4, grace_period: 4}}\n", (),
+     "search.warmup_epochs: the largest warmup (4) is not shorter than tune.asha.max_t (4), where every trial ends"),
+])
+def test_a_warmup_as_long_as_the_trial_is_refused_naming_warmup(tmp_path, text, overrides, expected):
+    assert expected in _error(tmp_path, text, overrides)
+
+
+def test_train_refuses_a_warmup_as_long_as_its_epochs_and_probe_does_not_ask(tmp_path):
+    path = write_spec(tmp_path, "search: {warmup_epochs: 5}\n")
+    with pytest.raises(UserError, match=r"spec\.yaml: search\.warmup_epochs: warmup_epochs \(5\) is not shorter than "
+                                        r"train\.epochs \(2\)"):
+        load_config(path, ["train.epochs=2"], sweep=False)
+    assert load_config(path, ["train.epochs=2"], sweep=False, trial=False).train.epochs == 2  # probe trains nothing
+
+
+def test_a_grace_period_inside_the_warmup_names_warmup_as_a_fix_too(tmp_path):
+    msg = _error(tmp_path, "train: {epochs: 6}\nsearch: {warmup_epochs: {randint: [0, 3]}}\ntune: {asha: "
+                           "{grace_period: 2}}\n")
+    assert msg.endswith("raise grace_period, lower the largest warmup_epochs, or set "
+                        "tune.asha.allow_grace_within_warmup: true")
+
+
+def test_a_charset_a_byte_cannot_index_is_refused(tmp_path):
+    charset = "".join(chr(0x100 + i) for i in range(257))
+    msg = _error(tmp_path, f"data:\n  charset: \"{charset}\"\n")
+    assert "data.charset: 257 characters, at most 256 (a label's characters are stored one byte each)" in msg
+    assert "data.charset: repeats a character" in _error(tmp_path, "data:\n  charset: \"AAB\"\n")

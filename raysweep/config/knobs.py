@@ -7,7 +7,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
-from raysweep.config.fields import Float, Int, PosFloat, PosInt, Section
+from raysweep.config.fields import PosFloat, PosInt, Section
 
 T = TypeVar("T")
 
@@ -56,31 +56,32 @@ class _Range(Section):
         return self.bounds()[1]
 
 
-class Uniform(_Range):
-    """`{uniform: [low, high]}`: uniform float."""
+class Uniform(_Range, Generic[T]):
+    """`{uniform: [low, high]}`: uniform float; both bounds of the knob's own type (base_lr's above 0)."""
 
-    uniform: tuple[Float, Float]
-    default: Float | None = None
+    uniform: tuple[T, T]
+    default: T | None = None
 
     def bounds(self):
         return self.uniform
 
 
-class LogUniform(_Range):
+class LogUniform(_Range, Generic[T]):
     """`{loguniform: [low, high]}`: log-uniform float, both bounds > 0."""
 
-    loguniform: tuple[PosFloat, PosFloat]
-    default: PosFloat | None = None
+    loguniform: tuple[T, T]
+    default: T | None = None
 
     def bounds(self):
         return self.loguniform
 
 
-class RandInt(_Range):
-    """`{randint: [low, high]}`: uniform integer, both bounds inclusive."""
+class RandInt(_Range, Generic[T]):
+    """`{randint: [low, high]}`: uniform integer, both bounds inclusive and of the knob's own type (a per-GPU batch
+    at least 1)."""
 
-    randint: tuple[Int, Int]
-    default: Int | None = None
+    randint: tuple[T, T]
+    default: T | None = None
     max: PosInt | Literal["probe"] | None = None
 
     def bounds(self):
@@ -110,12 +111,16 @@ def _knob_tag(value: Any) -> str | None:
     return "value"
 
 
-def Knob(value_type, *distributions: str):
-    """A searchable knob: a fixed `value_type` or one of the named distributions."""
+def Knob(value_type, *distributions: str, whole=None):
+    """A searchable knob: a fixed `value_type` or one of the named distributions, whose values (choices, bounds,
+    default) are `value_type`s too, so that a range the trial cannot take (a base_lr from 0, a batch from 0) is
+    refused where it is written. `whole`: randint's type, where `value_type` is not a whole number (warmup_epochs)."""
     members = [Annotated[value_type, Tag("value")]]
     for name in distributions:
-        cls = Choice[value_type] if name == "choice" else DISTRIBUTIONS[name]
-        members.append(Annotated[cls, Tag(name)])
+        typed = whole if name == "randint" and whole is not None else value_type
+        if name == "loguniform":
+            typed = PosFloat  # a log needs both bounds above 0, whatever the knob takes
+        members.append(Annotated[DISTRIBUTIONS[name][typed], Tag(name)])
     return Annotated[Union[tuple(members)], Discriminator(_knob_tag)]
 
 

@@ -39,8 +39,9 @@ def parse_yaml(text: str, source: str) -> Any:
         raise UserError(f"{source}:{where}: invalid YAML: {problem}") from None
 
 
-def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True) -> SweepConfig:
-    """Read a spec file, apply `--set dotted.key=value` overrides, validate (`sweep`: for `tune` too)."""
+def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True, trial: bool = True) -> SweepConfig:
+    """Read a spec file, apply `--set dotted.key=value` overrides, validate (`sweep`: for `tune` too; `trial`: for
+    a trial that trains, as `train` and `tune` run; `probe` trains none)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such spec file (see search_spaces/ for examples)")
@@ -57,8 +58,9 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True)
         config = SweepConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(_describe(e, str(path), overridden)) from None
+    config._source = str(path) + "".join(f" (--set {item})" for item in overrides)
     _check_paths(config, str(path))
-    problem = config.sweep_problem() if sweep else None
+    problem = config.sweep_problem() if sweep else config.trial_problem() if trial else None
     if problem:
         raise UserError(f"{_source(str(path), problem.split(':', 1)[0], overridden)}: {problem}")
     return config

@@ -10,7 +10,7 @@ import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, model_validator
+from pydantic import Field, Strict, field_validator, model_validator
 
 from raysweep.config.fields import (
     Auto,
@@ -28,6 +28,7 @@ from raysweep.config.fields import (
 from raysweep.config.knobs import Knob
 
 DEFAULT_CHARSET = string.digits + string.ascii_uppercase
+MAX_CHARSET = 256  # labels are uint8 indices into the charset (data.CaptchaArrays)
 
 
 class SyntheticConfig(Section):
@@ -48,10 +49,18 @@ class DataConfig(Section):
     height: Annotated[int, Strict(), Field(ge=8)] = Field(60, description="image height, pixels")
     synthetic: SyntheticConfig = SyntheticConfig()
 
+    @field_validator("charset")
+    @classmethod
+    def _charset(cls, charset: str) -> str:
+        if len(set(charset)) != len(charset):
+            raise ValueError("repeats a character")
+        if len(charset) > MAX_CHARSET:
+            raise ValueError(f"{len(charset)} characters, at most {MAX_CHARSET} (a label's characters are stored one "
+                             f"byte each); keep only the characters the labels use")
+        return charset
+
     @model_validator(mode="after")
     def _check(self):
-        if len(set(self.charset)) != len(self.charset):
-            raise ValueError("charset repeats a character")
         if self.val_dir is not None and self.train_dir is None:
             raise ValueError("val_dir is set but train_dir is not; set both, or neither for the synthetic set")
         return self
@@ -122,7 +131,8 @@ class SearchConfig(Section):
 
     per_gpu_batch_size: Knob(PosInt, "choice", "randint") = Field(32, description="micro-batch per worker")
     base_lr: Knob(PosFloat, "choice", "uniform", "loguniform") = Field(1.0e-3, description="LR at reference_batch_size")
-    warmup_epochs: Knob(NonNegFloat, "choice", "uniform", "randint") = Field(1, description="linear warmup, epochs")
+    warmup_epochs: Knob(NonNegFloat, "choice", "uniform", "randint", whole=NonNegInt) = Field(
+        1, description="linear warmup, epochs")
     weight_decay: Knob(NonNegFloat, "choice", "uniform", "loguniform") = Field(
         1.0e-4, description="AdamW decoupled decay")
     grad_accum_steps: Knob(PosInt, "choice", "randint") | None = Field(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from raysweep.config.fields import Section
 from raysweep.config.knobs import knob_largest
@@ -40,16 +40,37 @@ class SweepConfig(Section):
     search: SearchConfig = SearchConfig()
     tune: TuneSection = TuneSection()
     mlflow: MlflowSection = MlflowSection()
+    _source: str = PrivateAttr("")  # the spec file (and --set overrides) it was read from: load_config sets it
+
+    @property
+    def source(self) -> str:
+        """Where this spec came from, to start an error line with: `spec.yaml` or `spec.yaml (--set k=v)`."""
+        return self._source
+
+    def trial_problem(self) -> str | None:
+        """What makes a trial of this spec unable to do what it logs, for `train` as for `tune`, or None: a warmup as
+        long as the trial never reaches the peak LR it logs."""
+        warmup, epochs = knob_largest(self.search.warmup_epochs), self.train.epochs
+        if warmup >= epochs:
+            largest = "the largest warmup_epochs in the search" if isinstance(self.search.warmup_epochs, BaseModel) \
+                else "warmup_epochs"
+            return (f"search.warmup_epochs: {largest} ({warmup:g}) is not shorter than train.epochs ({epochs}): a "
+                    f"trial would end before its LR reaches peak_lr; lower warmup_epochs below {epochs} (or raise "
+                    f"train.epochs)")
+        return None
 
     def sweep_problem(self) -> str | None:
         """What makes this spec unfit for `tune` (ASHA's settings against the epochs and warmup), or None.
 
         `train` runs no ASHA, so it never asks: a user shortening a run with `--set train.epochs=2`
-        need not know about ASHA.
+        need not know about ASHA (only that a warmup must end before the run does: trial_problem).
         """
         if self.tune.search == "tpe" and not self.trials.searched():
             return ("tune.search: tpe has no searched knob to model; give one a distribution (e.g. search.base_lr: "
                     "{loguniform: [1.0e-4, 3.0e-3]}) or use tune.search: random")
+        problem = self.trial_problem()
+        if problem:
+            return problem
         asha = self.tune.asha
         max_t = self.max_t
         if asha.unit == "seconds":
@@ -75,12 +96,14 @@ class SweepConfig(Section):
             return (f"tune.asha.grace_period: {asha.grace_period} exceeds max_t {max_t} (train.epochs unless "
                     f"tune.asha.max_t is set); lower grace_period")
         warmup = knob_largest(self.search.warmup_epochs)
+        if warmup >= max_t:  # ASHA ends every trial at max_t: one whose warmup lasts as long never reaches its peak
+            return (f"search.warmup_epochs: the largest warmup ({warmup:g}) is not shorter than tune.asha.max_t "
+                    f"({max_t}), where every trial ends; lower warmup_epochs below {max_t} (or raise max_t)")
         if asha.grace_period < warmup and not asha.allow_grace_within_warmup:
             return (f"tune.asha.grace_period: {asha.grace_period} is shorter than the largest warmup_epochs "
-                    f"in the search ({warmup:g}): a trial cut during warmup was never judged; raise grace_period "
-                    f"or set tune.asha.allow_grace_within_warmup: true")
+                    f"in the search ({warmup:g}): a trial cut during warmup was never judged; raise grace_period, "
+                    f"lower the largest warmup_epochs, or set tune.asha.allow_grace_within_warmup: true")
         return None
-
 
     @property
     def max_t(self) -> float:

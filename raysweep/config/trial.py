@@ -189,23 +189,39 @@ class TrialFactory:
             target=self.target,
         )
 
-    def check_data_fits(self, train_size: int, batch_cap: int | None = None, searched: bool = True) -> None:
-        """Every rank's shard must fill its micro-batches (`epoch_plan` needs one sample each at least).
+    def check_data_fits(self, train_size: int, batch_cap: int | None = None, searched: bool = True,
+                        source: str = "") -> None:
+        """Every trial the search can draw runs the batch it logs, on every rank's share of the training set.
 
-        Checks the extremes of the search (smallest and largest per-GPU batch × fewest and most
-        accumulation steps), or the defaults alone when not `searched`. Raises a one-line UserError.
+        A rank's share (train_size // workers) must hold one optimizer step at the asked per-GPU batch: a larger
+        batch would run as one step of the whole share, smaller than the batch its peak LR is scaled for and its
+        global_batch_size says. Refused rather than capped: a capped trial would duplicate the cap's trial under
+        another name, and the search would model a knob that changes nothing. And the share must fill the epoch's
+        micro-batches (`epoch_plan` needs one sample each at least). Checks the extremes of the search (smallest
+        and largest per-GPU batch × fewest and most accumulation steps), or the defaults alone when not
+        `searched`. Raises a one-line UserError (`source`: the spec file, to start it with).
         """
         knobs = self.searched() if searched else {}
         defaults = self.default_knobs()
         batches = knob_extremes(knobs.get("per_gpu_batch_size")) or [defaults["per_gpu_batch_size"]]
         accums = knob_extremes(knobs.get("grad_accum_steps")) or [defaults.get("grad_accum_steps",
                                                                               self.train.grad_accum_steps)]
+        where = f"{source}: " if source else ""
         for batch in batches:
             for accum in accums:
                 t = self.trial({"per_gpu_batch_size": batch, "grad_accum_steps": accum}, train_size, batch_cap)
-                if t.min_shard_size < t.micro_batches_per_epoch:
+                share = t.min_shard_size
+                if batch * accum > share:
+                    most = max(share // accum, 1)
                     raise UserError(
-                        f"data: {train_size} training images give each of {t.world_size} workers {t.min_shard_size}, "
+                        f"{where}search.per_gpu_batch_size: {batch} × {accum} accumulation step(s) is more than a "
+                        f"rank's share of the training set ({train_size:,} images over {t.world_size} workers: "
+                        f"{share:,} each): it would run one step of {share:,} per rank with the LR scaled for "
+                        f"{batch * accum:,}; the largest per-GPU batch this data runs is {most:,}: lower the batch, or "
+                        f"use more training images")
+                if share < t.micro_batches_per_epoch:
+                    raise UserError(
+                        f"{where}data: {train_size} training images give each of {t.world_size} workers {share}, "
                         f"too few for {t.micro_batches_per_epoch} micro-batches per epoch (per-GPU batch {batch} × "
                         f"{t.accumulation_steps} accumulation steps, global batch {t.global_batch_size}); use more "
                         f"training images (data.synthetic.train_size or data.train_dir), or fewer scaling.num_workers "
