@@ -73,7 +73,7 @@ def train_to_target(config, data, batch: int, target: float, max_samples: int, e
     scheduler = build_scheduler(net.optimizer, trial.peak_lr, trial.peak_lr, 0, 10**9)  # constant peak LR
     classes = trial.image.num_classes
     images, labels = data.train.images, data.train.labels
-    probe = Shard.build(CaptchaArrays(images[:512], labels[:512]), 0, 1, classes, device)
+    probe = Shard.build(CaptchaArrays(images[:512], labels[:512]), classes, device)
     order = np.random.default_rng(seed).permutation(len(labels))
     run, t0, samples, steps, position, chunk_no = Run(batch, trial.peak_lr), time.perf_counter(), 0, 0, 0, 0
 
@@ -88,7 +88,7 @@ def train_to_target(config, data, batch: int, target: float, max_samples: int, e
         idx = np.sort(order[position:position + chunk])
         position += chunk
         chunk_no += 1
-        shard = Shard.build(CaptchaArrays(images[idx], labels[idx]), 0, 1, classes, device)
+        shard = Shard.build(CaptchaArrays(images[idx], labels[idx]), classes, device)
         sums = train_one_epoch(net, shard, scheduler, trial, chunk_no, 0)
         samples, steps = samples + sums.samples, steps + sums.optimizer_steps
         run.noise_small += float(sums.noise_small)

@@ -122,7 +122,7 @@ class Bench:
         rng = np.random.default_rng(0)
         n = batch * steps
         self.shard = Shard.build(CaptchaArrays(rng.integers(0, 256, (n, height, width), dtype="uint8"),
-                                               rng.integers(0, 36, (n, 4), dtype="uint8")), 0, 1, 36, device)
+                                               rng.integers(0, 36, (n, 4), dtype="uint8")), 36, device)
 
     def run(self, epoch: int):
         from raysweep.worker.step import train_one_epoch

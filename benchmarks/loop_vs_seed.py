@@ -81,7 +81,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
 
     def shard(n_steps):  # exactly batch × steps images: every micro-batch is `batch`
         n = batch * n_steps
-        return Shard.build(CaptchaArrays(arrays.images[:n], arrays.labels[:n]), 0, 1, len(CHARSET), torch.device("cpu"))
+        return Shard.build(CaptchaArrays(arrays.images[:n], arrays.labels[:n]), len(CHARSET), torch.device("cpu"))
 
     timed = trial(steps)
     torch.manual_seed(0)

@@ -61,7 +61,7 @@ def _measure(rank: int, world: int, accum: int, args) -> dict[str, float]:
     n = micro * accum * args.steps
     arrays = CaptchaArrays(rng.integers(0, 255, (n, args.height, args.width), dtype=np.uint8),
                            rng.integers(0, len(CHARSET), (n, 4), dtype=np.uint8))
-    shard = Shard.build(arrays, 0, 1, len(CHARSET), device)
+    shard = Shard.build(arrays, len(CHARSET), device)
     wrap = (lambda m: torch.nn.parallel.DistributedDataParallel(m)) if world > 1 else None
     runs = {}
     for measured in (False, True):

@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from raysweep.config import SweepConfig, TrialConfig
@@ -89,6 +90,14 @@ def _join_error(address: str, e: Exception) -> UserError:
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UserError(f"--address {address}: cannot join a Ray cluster there ({reason}); start one with "
                      f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
+
+
+def check_address(address: str | None) -> None:
+    """An --address Ray could never parse is one line before anything slow starts (a sweep reads its data before it
+    joins Ray): Ray takes `auto`, `local`, `ray://…` or host:port (`canonicalize_bootstrap_address` in
+    ray/_private/services.py)."""
+    if address and not re.fullmatch(r"auto|local|ray://\S+|\S+:\d+", address):
+        raise _join_error(address, ValueError(f"Invalid address format: {address}"))
 
 
 def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -> bool:

@@ -12,7 +12,7 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from raysweep.metrics import EAGER_FALLBACK, STARTUP_NAMES, STARTUP_PHASES, TrialView, outcome_counts
+from raysweep.metrics import EAGER_FALLBACK, FINISHED, STARTUP_NAMES, STARTUP_PHASES, TrialView, outcome_counts
 from raysweep.metrics import names as M
 from raysweep.report.table import counted, fmt, format_table, shown
 
@@ -107,6 +107,13 @@ class ConsoleProgress:
               f"{fmt(view.value(self.metric))}{reached}", flush=True)
         if view.error:
             print(f"         {view.trial_id}: {view.error}", flush=True)
+        t = self.trials.trial(view.config, self.train_size)
+        if (view.status == FINISHED and 0 < view.epoch * t.steps_per_epoch <= t.warmup_steps
+                and view.value(M.time_to_target_s) is None):
+            # only a time budget ends a trial this early (config.SweepConfig.trial_problem refuses the rest)
+            print(f"[{now()}] warning {view.trial_id}: it ended at epoch {view.epoch}, inside its warmup of "
+                  f"{t.knobs.warmup_epochs:g} epochs (train.time_budget_s fit no more): its LR never reached peak_lr "
+                  f"{t.peak_lr:.2e}; lower warmup_epochs or raise train.time_budget_s", flush=True)
 
     def step(self, views) -> None:
         if self.per_epoch or time.monotonic() - self.last_table < self.every_s:
@@ -180,9 +187,44 @@ def print_waiting(line: str) -> None:
 
 
 def print_data(data, spec: DataConfig) -> None:
-    """The data a sweep runs on (`spec`: the spec's data section, for the image shape)."""
-    print(f"data: {data.source}: {len(data.train)} train / {len(data.val)} val images {spec.width}×{spec.height}, "
-          f"{spec.length} characters of {spec.num_classes}", flush=True)
+    """The data a sweep runs on (`data`: data.CaptchaData; `spec`: the spec's data section, for the image shape),
+    then each conversion or finding of reading it, once (data.notes; the sweep logs them too)."""
+    cached = [f.key for f in (data.facts.train, data.facts.val) if f is not None and f.from_cache] \
+        if data.facts is not None else []
+    reused = f" (decoded images of {' and '.join(cached)} from the cache)" if cached else ""
+    print(f"data: {data.source}: {len(data.train):,} train / {len(data.val):,} val images {spec.width}×{spec.height}, "
+          f"{spec.length} characters of {spec.num_classes}{reused}", flush=True)
+    for note in data.notes:
+        print(f"data: {note}", flush=True)
+
+
+def print_data_description(d) -> None:
+    """`check`'s account of the data (`d`: data.describe.DataDescription): counts, what each folder held, the
+    characters found against data.charset and their spread per position, leakage; every line a comment."""
+    print(f"# data: {d.source}: {d.train_size:,} train / {d.val_size:,} val images")
+    facts = d.facts
+    for f in (facts.train, facts.val) if facts is not None else ():
+        if f is None:
+            continue
+        formats = ", ".join(f"{n:,} {k}" for k, n in f.formats.items())
+        sizes = ", ".join(f"{n:,} at {k}" for k, n in f.sizes.items())
+        modes = ", ".join(f"{n:,} {k}" for k, n in f.modes.items())
+        print(f"#   {f.key}: {f.images:,} images ({formats}); sizes {sizes}; {f.resized:,} resized; modes {modes}"
+              + (f"; {f.duplicates:,} repeat another image's pixels" if f.duplicates else ""))
+    for note in d.notes:
+        print(f"#   note: {note}")
+    if facts is not None and facts.train is not None:
+        print(f"#   leakage: {facts.val_in_train:,} validation images have the pixels of a training image")
+    used = d.charset_size - len(d.absent)
+    absent = f"; never in a training label: {d.absent!r} (data.charset could leave them out)" if d.absent else ""
+    print(f"#   characters: {used} of data.charset's {d.charset_size} appear in the training labels{absent}")
+    if d.val_unseen:
+        print(f"#   validation labels hold characters no training label does: {d.val_unseen!r}")
+    uniform = 1 / d.charset_size
+    print(f"#   spread per position (share of the least and the most common character; uniform {uniform:.1%}):")
+    for p in d.spread:
+        print(f"#     position {p.position}: {p.present} characters, least {p.least[0]!r} {p.least[1]:.1%}, "
+              f"most {p.most[0]!r} {p.most[1]:.1%}")
 
 
 def print_batch_cap(cap: int, probed=None) -> None:
@@ -209,17 +251,24 @@ def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_
     print(f"         (the trials, best {metric} first; to see the numbers: Columns → Metrics → {metric})")
 
 
-def print_check(config: SweepConfig, rungs: tuple[list, dict] | None = None) -> None:
-    """`check`: the resolved spec, the derived values at the defaults, and (`rungs`: rows and the epoch seconds
-    they came from) ASHA's rungs in both units."""
+def print_check(config: SweepConfig, train_size: int, rungs: tuple[list, dict] | None = None,
+                data=None) -> None:
+    """`check`: the resolved spec, the derived values at the defaults (`train_size`: the training images), the data
+    (`data`: data.describe.DataDescription; None: the synthetic set, not rendered yet) and (`rungs`: rows and the
+    epoch seconds they came from) ASHA's rungs in both units."""
     from raysweep.config import spec_yaml
 
     print(spec_yaml(config), end="")
-    n = config.data.synthetic.train_size if config.data.train_dir is None else None
-    trial = config.trials.trial({}, n or 1)
-    print("# derived at the defaults" + ("" if n else " (train size unknown until the folder is read: steps assume 1)"))
+    trial = config.trials.trial({}, train_size)
+    print(f"# derived at the defaults ({train_size:,} training images)")
     for key in (M.global_batch_size, M.peak_lr, M.steps_per_epoch, M.warmup_steps, M.total_steps):
         print(f"#   {key}: {getattr(trial, key):.6g}")
+    if data is not None:
+        print_data_description(data)
+    else:
+        s = config.data.synthetic
+        print(f"# data: synthetic (seed {s.seed}): {s.train_size:,} train / {s.val_size:,} val images, rendered by the "
+              f"first tune or train (then cached); `check` describes it once it is")
     if rungs is not None:
         print_rungs(config.tune.asha.unit, config.trials.global_batches(), *rungs)
 

@@ -47,17 +47,19 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
     on the store (tracking.reconcile_orphans).
     """
     from raysweep import tracking
-    from raysweep.cluster import connect
+    from raysweep.cluster import check_address, connect
     from raysweep.resume import check_resume
 
     t_start = time.monotonic()
     where = Where.of(config, single)
     resumed = check_resume(config, where.tracking_uri, where.experiment_path, where.name) if resume else None
+    check_address(address)
+    data = load_checked_data(config, single, cap_batch)  # before Ray: what the data cannot run is refused here
     tracking.reconcile_orphans(where.tracking_uri, keep=resumed)
     started_ray = connect(address, config.scaling.worker_start_timeout_s, verbose)
     sweep = Sweep(config, where, single)
     try:
-        sweep.start(cap_batch)  # the plan, the data, the broker (its groups start building), ASHA
+        sweep.start(cap_batch, data)  # the plan, the broker (its groups start building), ASHA
         sweep.open_runs(resumed)  # the parent run: new, or taken over (--resume)
         with tracking.Heartbeat(where.tracking_uri, sweep.parent_run_id):
             results = sweep.fit(resume, progress_every_s)  # every trial's run whole in the store when it returns
@@ -79,34 +81,36 @@ class Sweep:
         self.config, self.where, self.single = config, where, single
         self.num_samples = 1 if single else config.tune.num_samples
         self.broker = self.plan = self.context = self.asha = self.scheduler = self.progress = None
+        self.data_params: dict[str, str] = {}  # what the data was and what reading it changed: the parent run's params
         self.wall_s = self.busy = 0.0
         self.parent_run_id: str | None = None
         self.experiment_id: str | None = None
         self.ended = False  # the parent run has its verdict: nothing to end on the way out
 
-    def start(self, cap_batch: int | None) -> None:
+    def start(self, cap_batch: int | None, data) -> None:
         """Before any trial: a trial that could never fit fails fast, one that does not fit yet waits (saying for
-        what); the data is decoded once per sweep (trials get an object ref); the broker opens and its first groups
-        start building while MLflow opens and Tune starts (every trial of a spec has its scaling)."""
+        what); the data (data.CaptchaData, read and checked before Ray started) goes into the object store once (trials
+        get an object ref); the broker opens and its first groups start building while MLflow opens and Tune starts
+        (every trial of a spec has its scaling)."""
         import ray
 
         from raysweep import console, slots
         from raysweep.asha import AshaPlan
         from raysweep.cluster import plan_when_free, trial_driver_node, worker_env
-        from raysweep.data import load_data
+        from raysweep.data.describe import mlflow_params
         from raysweep.relay import SweepContext
 
         config, where = self.config, self.where
         self.plan = plan_when_free(config, self.num_samples, console.print_waiting)
         console.print_plan(self.plan)
         batch_cap = resolve_batch_cap(config, cap_batch)
-        data = load_data(config.data, console.progress_printer())
-        console.print_data(data, config.data)
-        config.trials.check_data_fits(len(data.train), batch_cap, searched=not self.single)
+        if batch_cap != static_batch_cap(config, cap_batch):  # measured now (max: probe): the data checked again
+            config.trials.check_data_fits(len(data.train), batch_cap, searched=not self.single, source=config.source)
+        self.data_params = mlflow_params(data)
         compile_cache = storage.join(where.experiment_path, "compile_cache")
         self.broker = slots.open_broker(where.experiment_path, self.plan.trials_at_once, slots.SlotPlan(
-            ray.put(data), storage.join(where.experiment_path, "slots"), worker_env(compile_cache), compile_cache,
-            trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
+            ray.put(data.for_workers()), storage.join(where.experiment_path, "slots"), worker_env(compile_cache),
+            compile_cache, trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
         self.broker.prewarm.remote(config.trials.trial(config.trials.default_knobs(), len(data.train),
                                                        batch_cap).to_dict(),
                                    min(self.plan.trials_at_once, self.num_samples))
@@ -136,7 +140,7 @@ class Sweep:
             tags={"raysweep.kind": "train" if self.single else "tune", "raysweep.storage": str(where.experiment_path),
                   "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode,
                   **tracking.target_tags(config.tune.target)},
-            spec_text=spec_yaml(config))
+            spec_text=spec_yaml(config), params=self.data_params)
 
     def fit(self, resume: bool, progress_every_s: float):
         """Tune's run of the trials, with the driver's callbacks; every write in the store when it returns."""
@@ -302,6 +306,27 @@ def _tuner(sweep: Sweep, resume: bool):
             reuse_actors=True),
         run_config=tune.RunConfig(name=where.name, storage_path=where.storage_root, callbacks=_callbacks(sweep),
                                   verbose=0))
+
+
+def load_checked_data(config, single: bool, cap_batch: int | None):
+    """The sweep's data (data.load_data: a folder decoded or read from its cache, or the synthetic set), stated on the
+    console with every conversion reading it made; then the search's batches checked against it. Runs before Ray
+    starts, so that what the data cannot run is one line and exit 2 before anything is started."""
+    from raysweep import console
+    from raysweep.data import load_data
+
+    data = load_data(config.data, console.progress_printer())
+    console.print_data(data, config.data)
+    config.trials.check_data_fits(len(data.train), static_batch_cap(config, cap_batch), searched=not single,
+                                  source=config.source)
+    return data
+
+
+def static_batch_cap(config, cap_batch: int | None) -> int | None:
+    """The batch cap known without measuring: --cap-batch, else a number in search.per_gpu_batch_size.max (`probe`
+    is measured once Ray runs: resolve_batch_cap)."""
+    cap = cap_batch if cap_batch is not None else config.trials.batch_cap
+    return cap if isinstance(cap, int) else None
 
 
 def resolve_batch_cap(config, cap_batch: int | None) -> int | None:

@@ -44,7 +44,7 @@ def fresh_dynamo():
 def shards() -> tuple[Shard, Shard]:
     """The warm group's data, on the device once for all its trials."""
     data = _data(64)
-    return Shard.build(data.train, 0, 1, 36, CPU), Shard.build(data.val, 0, 1, 36, CPU)
+    return Shard.build(data.train, 36, CPU), Shard.build(data.val, 36, CPU)
 
 
 def _trial_run(shards, batch: int, accum: int) -> TrainingRun:

@@ -85,7 +85,7 @@ def _parts(trial: TrialConfig, device: torch.device, arrays: CaptchaArrays, path
     """A rank's model (CUDA's model path unless told otherwise, also on the CPU), schedule and shard."""
     net = RankModel.build(trial, device, path=path, **build)
     scheduler = build_scheduler(net.optimizer, trial.peak_lr, trial.train.min_lr, trial.warmup_steps, trial.total_steps)
-    return net, scheduler, Shard.build(arrays, 0, 1, trial.image.num_classes, device)
+    return net, scheduler, Shard.build(arrays, trial.image.num_classes, device)
 
 
 def _losses(trial: TrialConfig, device: torch.device, arrays: CaptchaArrays, path="plain"):

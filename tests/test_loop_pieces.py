@@ -10,7 +10,7 @@ from raysweep.model import CaptchaCNN
 from raysweep.optim import build_optimizer, build_scheduler
 from raysweep.worker.evaluate import evaluate
 from raysweep.worker.net import RankModel
-from raysweep.worker.shard import Shard, epoch_plan, shard_bounds
+from raysweep.worker.shard import Shard, epoch_plan
 from raysweep.worker.step import train_one_epoch
 
 
@@ -23,31 +23,35 @@ def _net(model, lr, precision="fp32", step_model=None):
 
 @pytest.mark.parametrize("n, world, batches", [(512, 2, 8), (500, 3, 6), (50_000, 3, 17), (7, 2, 3)])
 def test_plans_are_equal_micro_batches_using_each_sample_at_most_once_per_epoch(n, world, batches):
-    """One micro-batch size (one shape to compile and replay); what is left over is under one sample per
-    micro-batch, and a different part of the shard every epoch, so no sample is left out for good."""
-    for rank in range(world):
-        start, stop = shard_bounds(n, rank, world)
-        size = stop - start
-        used_over_epochs = set()
-        for epoch in range(1, 9):
-            plan = epoch_plan(size, batches, seed=0, epoch=epoch, rank=rank)
-            assert plan.shape == (batches, size // batches)  # same count on every rank, one size
-            flat = plan.ravel().tolist()
-            assert len(set(flat)) == len(flat) and set(flat) <= set(range(size))  # at most once per epoch
-            assert size - len(flat) < batches
-            used_over_epochs.update(flat)
-        assert used_over_epochs == set(range(size))
+    """One micro-batch size on every rank (one shape to compile and replay); in an epoch the ranks' shares are
+    disjoint, and what is left over (n mod world, and under one sample per micro-batch of each share) is a
+    different part of the set every epoch, so no sample is left out for good."""
+    share = n // world
+    used_over_epochs = set()
+    for epoch in range(1, 9):
+        flats = []
+        for rank in range(world):
+            plan = epoch_plan(n, batches, seed=0, epoch=epoch, rank=rank, world_size=world)
+            assert plan.shape == (batches, share // batches)  # same count on every rank, one size
+            flats += plan.ravel().tolist()
+        assert len(set(flats)) == len(flats) and set(flats) <= set(range(n))  # at most once per epoch, all ranks
+        assert n - len(flats) < batches * world + world
+        used_over_epochs.update(flats)
+    assert used_over_epochs == set(range(n))
 
 
-def test_plans_reshuffle_each_epoch_and_replay_exactly():
-    a = epoch_plan(100, 4, seed=0, epoch=1, rank=0)
-    assert np.array_equal(a, epoch_plan(100, 4, seed=0, epoch=1, rank=0))
-    assert not np.array_equal(a, epoch_plan(100, 4, seed=0, epoch=2, rank=0))
+def test_plans_reshuffle_each_epoch_across_ranks_and_replay_exactly():
+    a = epoch_plan(300, 4, seed=0, epoch=1, rank=0, world_size=3)
+    assert np.array_equal(a, epoch_plan(300, 4, seed=0, epoch=1, rank=0, world_size=3))
+    b = epoch_plan(300, 4, seed=0, epoch=2, rank=0, world_size=3)
+    # epoch 2 deals rank 0 a new share from the whole set: about a third of it is what rank 0 had in epoch 1
+    assert 0.15 < len(set(a.ravel()) & set(b.ravel())) / a.size < 0.55
+    assert not np.array_equal(a, epoch_plan(300, 4, seed=1, epoch=1, rank=0, world_size=3))
 
 
-def test_too_small_shard_is_a_clear_error():
+def test_too_small_share_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot fill 8 micro-batches"):
-        epoch_plan(5, 8, 0, 1, 0)
+        epoch_plan(15, 8, 0, 1, 0, 3)
 
 
 def _trial(batch=16, accum=1, n=96):
@@ -68,7 +72,7 @@ def _random_arrays(n):
 def test_one_process_epochs_lower_the_loss_and_count_steps():
     arrays = _random_arrays(96)
     trial = _trial()
-    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    shard = Shard.build(arrays, 36, torch.device("cpu"))
     torch.manual_seed(0)
     net = _net(CaptchaCNN(24, 64, 4, 36, dropout=0.0), trial.peak_lr)
     sched = build_scheduler(net.optimizer, trial.peak_lr, 1e-6, 0, trial.total_steps)
@@ -108,7 +112,7 @@ def test_evaluate_counts_exact_and_character_matches():
             logits[i, j, guess] = 5.0
     images = np.zeros((n, 24, 64), dtype=np.uint8)
     images[:, 0, 0] = np.arange(n)
-    shard = Shard.build(CaptchaArrays(images, labels.astype(np.uint8)), 0, 1, classes, torch.device("cpu"))
+    shard = Shard.build(CaptchaArrays(images, labels.astype(np.uint8)), classes, torch.device("cpu"))
     val = evaluate(_FixedLogits(logits.view(n, -1)), shard, _trial(batch=3, n=n))  # batches of 3, 3, 3, 1
     assert (float(val.exact), float(val.chars), val.samples, val.char_total) == (4, 25, n, n * length)
 
@@ -142,7 +146,7 @@ def test_fast_loop_and_seed_loop_compute_the_same_loss_on_the_same_batch(tmp_pat
     loader = torch.utils.data.DataLoader(PngCaptchas(tmp_path, charset), batch_size=32)
     seed_loss = train_steps(seed, loader, steps=1)[0]  # PIL per sample, fp32, .item() per step
 
-    shard = Shard.build(read_folder(tmp_path, charset, 4, 64, 24), 0, 1, 36, torch.device("cpu"))
+    shard = Shard.build(read_folder(tmp_path, charset, 4, 64, 24), 36, torch.device("cpu"))
     net = _net(ours, 1e-3)
     sums = train_one_epoch(net, shard, build_scheduler(net.optimizer, 1e-3, 1e-3, 0, 1), trial, epoch=1, rank=0)
     # one batch of all 32 images (order differs, the mean and BatchNorm's statistics do not)
@@ -152,7 +156,7 @@ def test_fast_loop_and_seed_loop_compute_the_same_loss_on_the_same_batch(tmp_pat
 def test_compile_trains_on_cpu():
     arrays = _random_arrays(64)
     trial = _trial(batch=32, n=64)
-    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    shard = Shard.build(arrays, 36, torch.device("cpu"))
     torch.manual_seed(0)
     model = CaptchaCNN(24, 64, 4, 36, dropout=0.5).to(memory_format=torch.channels_last)
     net = _net(model, trial.peak_lr, step_model=torch.compile(model))
@@ -178,7 +182,7 @@ def test_auto_precision_on_cpu_follows_the_cpus_bf16_instructions():
 
 def test_bf16_autocast_trains_on_cpu_like_fp32():
     arrays = _random_arrays(96)
-    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    shard = Shard.build(arrays, 36, torch.device("cpu"))
     trial = _trial()
     losses = {}
     for precision in ("fp32", "bf16"):

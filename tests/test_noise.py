@@ -168,7 +168,7 @@ def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate(accum
     rng = np.random.default_rng(0)
     arrays = CaptchaArrays(rng.integers(0, 255, (96, 24, 64), dtype=np.uint8),
                            rng.integers(0, 36, (96, 4), dtype=np.uint8))
-    shard = Shard.build(arrays, 0, 1, 36, torch.device("cpu"))
+    shard = Shard.build(arrays, 36, torch.device("cpu"))
     trial = _trial(batch=16, accum=accum)
     weights, metrics = {}, None
     for measured in (False, True):

@@ -46,7 +46,7 @@ def _trained_run(device: torch.device, shards: tuple[Shard, Shard], **trial) -> 
 
 def _shards(device: torch.device, size=SMALL, n: int = 64) -> tuple[Shard, Shard]:
     data = _data(n, size)
-    return Shard.build(data.train, 0, 1, 36, device), Shard.build(data.val, 0, 1, 36, device)
+    return Shard.build(data.train, 36, device), Shard.build(data.val, 36, device)
 
 
 def _held(run: TrainingRun) -> dict[str, weakref.ref]:

@@ -11,8 +11,10 @@ from raysweep.failures import INFRA
 from raysweep.tracking.store import _artifact_text, _set_tags, sqlite_path
 
 
-def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, spec_text: str) -> tuple[str, str]:
-    """Create (or reuse) the experiment and open the sweep's parent run; returns (experiment_id, run_id)."""
+def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, spec_text: str,
+               params: dict[str, str] | None = None) -> tuple[str, str]:
+    """Create (or reuse) the experiment and open the sweep's parent run, with the spec and `params` (the data's:
+    data.describe.mlflow_params); returns (experiment_id, run_id)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -25,6 +27,10 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
         experiment_id = client.create_experiment(experiment, artifact_location=location)
     run = client.create_run(experiment_id, run_name=run_name, tags={**tags, **drivers.driver_tags()})
     client.log_text(run.info.run_id, spec_text, "spec.yaml")
+    if params:
+        from mlflow.entities import Param
+
+        client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
     return experiment_id, run.info.run_id
 
 

@@ -25,7 +25,7 @@ from raysweep.worker.device import release_trial_memory, setup_device
 from raysweep.worker.faults import FAULTS, TrialFailure
 from raysweep.worker.reduce import agree, broadcast_object, gather_strings
 from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS, TrainingRun
-from raysweep.worker.shard import Shard
+from raysweep.worker.shard import Shard, rank_shards
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,7 @@ class SlotRank:
         """The data on the device for trials with `classes` classes: built by the first such trial, kept."""
         if classes not in self.shards:
             me = self.me
-            self.shards[classes] = (Shard.build(me.data.train, me.rank, me.world_size, classes, me.device),
-                                    Shard.build(me.data.val, me.rank, me.world_size, classes, me.device))
+            self.shards[classes] = rank_shards(me.data, classes, me.device, me.rank, me.world_size)
         return self.shards[classes]
 
     def _sender(self, run: TrainingRun, run_dir: str, seq: int, timeline: dict | None):

@@ -19,7 +19,7 @@ from raysweep.worker.faults import TrialFailure
 from raysweep.worker.net import RankModel
 from raysweep.worker.probe_step import probe_step
 from raysweep.worker.reduce import reduce_metrics
-from raysweep.worker.shard import Shard
+from raysweep.worker.shard import Shard, rank_shards
 from raysweep.worker.step import train_one_epoch
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ class TrainingRun:
                                     trial.total_steps)
         if shards is None:
             classes = trial.image.num_classes
-            shards = (Shard.build(data.train, rank, world_size, classes, device),
-                      Shard.build(data.val, rank, world_size, classes, device))
+            shards = rank_shards(data, classes, device, rank, world_size)
         return cls(trial, net, scheduler, *shards, rank, epochs=trial.train.epochs,
                    resolved=trial.train.time_budget_s is None)
 
@@ -83,8 +82,9 @@ class TrainingRun:
 
     @property
     def micro_batch(self) -> int:
-        """The micro-batch the epochs run: the shard cut into equal micro-batches (shard.epoch_plan)."""
-        return len(self.train) // self.trial.micro_batches_per_epoch
+        """The micro-batch the epochs run: the rank's share of the training set cut into equal micro-batches
+        (shard.epoch_plan)."""
+        return len(self.train) // self.trial.world_size // self.trial.micro_batches_per_epoch
 
     def fit_in_memory(self, proven: int = 0) -> None:
         """One probe step at the trial's micro-batch on every rank before training (with the compiled step, the

@@ -1,4 +1,12 @@
-"""Data on the rank: a contiguous shard, resident once (device memory on a GPU), cut into equal micro-batches."""
+"""Data on the rank, resident once (device memory on a GPU): the whole training set, of which each epoch gives this
+rank a uniform share cut into equal micro-batches; its contiguous part of the validation set; the model's input.
+
+Every rank holds the whole training set so that each epoch can deal the ranks a fresh share of one permutation of
+it, as torch's DistributedSampler does (`epoch_plan`): users' folders list their files by label, and a rank that
+kept one contiguous part would train on a third of the alphabet, with BatchNorm's statistics and the gradient noise
+scale (which compares the ranks' gradients) measuring the gap between thirds. What that costs, measured on the CPU
+and in device memory, is in benchmarks/RESULTS.md (shard_cost).
+"""
 
 from __future__ import annotations
 
@@ -13,27 +21,30 @@ from raysweep.data import CaptchaArrays
 
 
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[start, stop) of rank's contiguous share of n samples; shares differ by at most one."""
+    """[start, stop) of rank's contiguous part of n samples; parts differ by at most one (the validation set)."""
     return n * rank // world_size, n * (rank + 1) // world_size
 
 
-def epoch_plan(shard_size: int, num_batches: int, seed: int, epoch: int, rank: int) -> np.ndarray:
-    """Shard indices for one epoch, (num_batches, shard_size // num_batches): a seeded permutation cut into
-    micro-batches of one size.
+def epoch_plan(n: int, num_batches: int, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:
+    """This rank's training samples for one epoch, (num_batches, (n // world_size) // num_batches) indices into
+    the whole training set of n.
 
-    One size, so that a compiled step has one shape to compile and a CUDA graph one to replay. The
-    shard_size mod num_batches samples left over (fewer than one per micro-batch) are the permutation's tail:
-    different ones every epoch, and every sample is used at most once per epoch. Every rank makes the same
-    number of micro-batches (DDP's collectives need that).
+    One permutation of the whole set per epoch, seeded by (seed, epoch) and so the same on every rank; rank r takes
+    the r-th of world_size equal shares (DistributedSampler with drop_last: the n mod world_size samples past the
+    last share sit out this epoch, different ones every epoch). The share is cut into micro-batches of one size, so
+    that a compiled step has one shape to compile and a CUDA graph one to replay; the share mod num_batches samples
+    left over (fewer than one per micro-batch) are the share's tail. Every sample is used at most once per epoch,
+    and every rank makes the same number of micro-batches (DDP's collectives need that).
     """
-    if shard_size < num_batches:
+    share = n // world_size
+    if share < num_batches:
         raise ValueError(
-            f"a rank's shard of {shard_size} samples cannot fill {num_batches} micro-batches per epoch; "
+            f"a rank's share of {share} samples cannot fill {num_batches} micro-batches per epoch; "
             f"use more data or fewer workers / accumulation steps"
         )
-    size = shard_size // num_batches
-    perm = np.random.default_rng([seed, epoch, rank]).permutation(shard_size)
-    return perm[: num_batches * size].reshape(num_batches, size)
+    size = share // num_batches
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return perm[rank * share: rank * share + num_batches * size].reshape(num_batches, size)
 
 
 def plan_to_device(plan: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -52,12 +63,17 @@ def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass
 class Shard:
+    """Samples resident on the training device: a rank's whole training set or its part of the validation set."""
+
     images: torch.Tensor  # (n, H, W) uint8, on the training device
     labels: torch.Tensor  # (n, length) int64
     targets: torch.Tensor  # (n, length × classes) float one-hot, built once, not per step
 
     @classmethod
-    def build(cls, arrays: CaptchaArrays, rank: int, world_size: int, num_classes: int, device: torch.device):
+    def build(cls, arrays: CaptchaArrays, num_classes: int, device: torch.device, rank: int = 0,
+              world_size: int = 1) -> Shard:
+        """Rank `rank`'s contiguous part of `arrays` (all of it with world_size 1: the training set, which
+        `epoch_plan` deals out), on `device`."""
         start, stop = shard_bounds(len(arrays), rank, world_size)
         with warnings.catch_warnings():
             # the object store hands out read-only arrays; torch only ever reads this one
@@ -73,6 +89,14 @@ class Shard:
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch `idx`: model input and one-hot targets, sliced on the device (no host work)."""
         return model_input(self.images[idx]), self.targets[idx]
+
+
+def rank_shards(data, num_classes: int, device: torch.device, rank: int, world_size: int) -> tuple[Shard, Shard]:
+    """(training, validation) on a rank's device: the whole training set (each epoch deals this rank its share:
+    epoch_plan) and the rank's contiguous part of the validation set (evaluation sums over the ranks, so which part
+    a rank holds changes nothing). `data`: data.CaptchaData."""
+    return (Shard.build(data.train, num_classes, device),
+            Shard.build(data.val, num_classes, device, rank, world_size))
 
 
 def model_input(images: torch.Tensor) -> torch.Tensor:

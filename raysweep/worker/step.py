@@ -218,13 +218,15 @@ class TrainStep:
 
 
 def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig, epoch: int, rank: int) -> TrainSums:
-    """One pass over the rank's shard; returns on-device sums (no host sync inside, but the graph's capture)."""
+    """One pass over the rank's share of the training set (`shard`: all of it, shard.epoch_plan deals the shares);
+    returns on-device sums (no host sync inside, but the graph's capture)."""
     tc = trial.train
     num_batches = trial.micro_batches_per_epoch
-    if len(shard) > (trial.micro_batch_size + 1) * num_batches:
-        raise ValueError(f"a shard of {len(shard)} samples is more than {num_batches} micro-batches of "
+    share = len(shard) // trial.world_size
+    if share > (trial.micro_batch_size + 1) * num_batches:
+        raise ValueError(f"a share of {share} samples is more than {num_batches} micro-batches of "
                          f"{trial.micro_batch_size}: train_size {trial.train_size} does not describe this data")
-    plan = plan_to_device(epoch_plan(len(shard), num_batches, tc.seed, epoch, rank), net.device)
+    plan = plan_to_device(epoch_plan(len(shard), num_batches, tc.seed, epoch, rank, trial.world_size), net.device)
     micro_batch, accum = plan.shape[1], trial.accumulation_steps
     faults.FAULTS.check_oom(micro_batch)  # what runs, as the probe step checks it
     train_step = net.train_step

@@ -1,0 +1,78 @@
+"""Captcha images → decoded uint8 arrays, once per sweep. The training loop never opens an image.
+
+  arrays.py     the records handed on (CaptchaArrays, CaptchaData, the facts `check` shows), the cache folder
+  folder.py     a user's folder: listing, labels, decoding with every conversion stated, the decoded cache
+  synthetic.py  the seeded synthetic set (the embedded default) and seeded captcha folders for tests
+  describe.py   the notes a sweep states and logs, and what `check` describes (spread, leakage)
+
+With no folder configured, the synthetic set is rendered (and cached). With `data.train_dir` alone, a seeded
+`data.val_fraction` of it is held out; with `data.val_dir` too, that folder validates. Nothing downstream depends
+on the order of the files: every rank's share of an epoch is a uniform sample (worker/shard.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raysweep.data.arrays import (
+    CaptchaArrays,
+    CaptchaData,
+    DataFacts,
+    FolderFacts,
+    ProgressFn,
+    cache_dir,
+    encode_label,
+)
+from raysweep.errors import UserError
+
+SPLIT_SEED = 0  # hold-out split of a single folder: fixed, so every trial and sweep sees the same split
+
+__all__ = ["CaptchaArrays", "CaptchaData", "DataFacts", "FolderFacts", "ProgressFn", "SPLIT_SEED", "cache_dir",
+           "encode_label", "load_data", "read_folder", "synthetic_split", "write_captcha_folder"]
+
+
+def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
+    """The train/val arrays for a `DataConfig`: from folders, else the (cached) synthetic set; what reading them
+    converted or found is in `.notes` (one line each) and `.facts`."""
+    from raysweep.data.describe import leakage, notes
+    from raysweep.data.folder import read_folder
+    from raysweep.data.synthetic import synthetic_data
+
+    if cfg.train_dir is None:
+        return synthetic_data(cfg, progress=progress)
+    shape = (cfg.charset, cfg.length, cfg.width, cfg.height)
+    train = read_folder(cfg.train_dir, *shape, "data.train_dir", progress)
+    if cfg.val_dir is not None:
+        val = read_folder(cfg.val_dir, *shape, "data.val_dir", progress)
+        source, val_facts = f"{cfg.train_dir} + {cfg.val_dir}", val.facts
+    else:
+        n = len(train.names)
+        n_val = max(1, round(n * cfg.val_fraction))
+        if n_val >= n:
+            raise UserError(f"data.train_dir: {n} images are too few to hold out val_fraction {cfg.val_fraction}; "
+                            f"add images, or give a validation folder (data.val_dir)")
+        order = np.random.default_rng(SPLIT_SEED).permutation(n)
+        train, val = train.subset(np.sort(order[n_val:])), train.subset(np.sort(order[:n_val]))
+        source, val_facts = f"{cfg.train_dir} (val_fraction {cfg.val_fraction})", None
+    facts = DataFacts(train.facts, val_facts, *leakage(train, val))
+    return CaptchaData(train.arrays, val.arrays, source, notes(facts, cfg), facts)
+
+
+def read_folder(folder, charset: str, length: int, width: int, height: int, key: str = "data.train_dir",
+                progress: ProgressFn | None = None) -> CaptchaArrays:
+    """One folder's decoded arrays (data.folder.read_folder has the file names and facts too)."""
+    from raysweep.data.folder import read_folder as read
+
+    return read(folder, charset, length, width, height, key, progress).arrays
+
+
+def synthetic_split(*args, **kwargs) -> CaptchaArrays:
+    from raysweep.data.synthetic import synthetic_split as split
+
+    return split(*args, **kwargs)
+
+
+def write_captcha_folder(*args, **kwargs):
+    from raysweep.data.synthetic import write_captcha_folder as write
+
+    return write(*args, **kwargs)

@@ -1,0 +1,98 @@
+"""What the data rooms hand on: decoded arrays (`CaptchaArrays`), a sweep's data (`CaptchaData`: the arrays, where
+they came from, what was converted on the way) and what `check` describes (`FolderFacts`, `DataFacts`); the label
+encoding and the cache folder they share."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# progress(label, done, total): called as work advances (the driver prints it: console.progress_printer); None: quiet
+ProgressFn = Callable[[str, int, int], None]
+
+
+def quiet(label: str, done: int, total: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class CaptchaArrays:
+    """Decoded images (N, H, W) uint8 grayscale and labels (N, length) uint8 indices into the charset."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class FolderFacts:
+    """What one folder held and what reading it changed (data.folder.read_folder): `check` shows it, and every
+    change is one line of `CaptchaData.notes`."""
+
+    key: str  # the spec key that named it: data.train_dir or data.val_dir
+    folder: str
+    images: int
+    formats: dict[str, int]  # PIL's format name → images (PNG, JPEG, ...)
+    modes: dict[str, int]  # PIL's mode as stored → images (L, RGB, RGBA, P, I;16, ...)
+    sizes: dict[str, int]  # "W×H" as stored → images
+    resized: int  # images not at data.width × data.height, resized to it
+    folded: int = 0  # labels whose letters were read in data.charset's case
+    fold: str = ""  # "uppercase" or "lowercase": the case they were read as
+    ignored: tuple[str, ...] = ()  # files in the folder that are not images (by suffix), by name
+    duplicates: int = 0  # images whose pixels another image of the folder already has
+    from_cache: bool = False  # decoded by an earlier run (data.folder's cache): nothing decoded this time
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What a sweep's data holds beyond its arrays: each folder's facts and the leakage between them."""
+
+    train: FolderFacts | None  # None: the synthetic set
+    val: FolderFacts | None  # None: synthetic, or held out of data.train_dir (val_fraction)
+    val_in_train: int = 0  # validation images whose pixels are also in the training set
+    leak_example: tuple[str, str] | None = None  # (validation file, training file) with the same pixels
+
+
+@dataclass(frozen=True)
+class CaptchaData:
+    train: CaptchaArrays
+    val: CaptchaArrays
+    source: str  # where the images came from, for logs and MLflow
+    # what reading the folders changed or found (a conversion, a resize, leakage), one line each: stated once on
+    # the console and logged with the sweep (data.notes)
+    notes: tuple[str, ...] = ()
+    facts: DataFacts | None = field(default=None, compare=False)
+
+    def for_workers(self) -> CaptchaData:
+        """The arrays alone: what goes into the object store for the ranks."""
+        return CaptchaData(self.train, self.val, self.source)
+
+
+def encode_label(text: str, charset: str) -> np.ndarray:
+    index = {c: i for i, c in enumerate(charset)}
+    return np.array([index[c] for c in text], dtype=np.uint8)
+
+
+def cache_dir() -> Path:
+    """`$RAYSWEEP_CACHE_DIR`, else `$XDG_CACHE_HOME/raysweep`, else `~/.cache/raysweep`."""
+    if os.environ.get("RAYSWEEP_CACHE_DIR"):
+        return Path(os.environ["RAYSWEEP_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysweep"
+
+
+def save_npz(path: Path, **arrays) -> None:
+    """`np.savez` written whole or not at all: a killed run never leaves a half-written cache behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
