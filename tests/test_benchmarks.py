@@ -118,3 +118,22 @@ def test_gpu_suite_without_a_gpu_says_how_to_smoke_test(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA device here; 'bash benchmarks/gpu_suite.sh --cpu-smoke'" in proc.stdout
     assert _suite(tmp_path, "--bogus").returncode == 2
+
+
+def test_shard_cost_quick():
+    out = _run("shard_cost.py")
+    rows = [ln for ln in out.splitlines() if ln.startswith(("contiguous part (before)", "whole set, dealt (now)"))]
+    assert len(rows) == 2 and all(float(r.split()[-2]) > 0 for r in rows)  # data path seconds per epoch
+    before, now = (float(r.split()[-4]) for r in rows)  # resident MiB: the whole set's targets are 3× a third's
+    assert now == pytest.approx(3 * before, abs=0.15)  # printed to 0.1 MiB
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_folder_scale_quick_runs_the_real_command_on_a_written_folder():
+    out = _run("folder_scale.py")
+    assert "decode (empty cache): 600 train + 60 val" in out and "read (cache): 600 train + 60 val" in out
+    runs = [ln for ln in out.splitlines() if ln.startswith("train, ")]
+    assert [r.split(":")[0] for r in runs] == ["train, empty cache", "train, warm cache"]
+    for name in ("decode_s", "cached_read_s", "driver_peak_rss_gb", "first_step_cold_s"):
+        assert re.search(rf"^RESULT folder_scale_{name} value=\d+\.\d+$", out, re.M), name

@@ -232,6 +232,15 @@ def test_a_file_that_is_not_an_image_and_a_truncated_png_are_named_in_one_line(t
     assert message.endswith("(remove them, or export them again)")
 
 
+def test_a_link_to_nowhere_is_named_in_one_line(tmp_path):
+    write_captcha_folder(tmp_path, 2, CHARSET, 4, W, H)
+    (tmp_path / "WXYZ_gone.png").symlink_to(tmp_path / "elsewhere" / "WXYZ.png")
+    with pytest.raises(UserError) as e:
+        _read(tmp_path)
+    assert _one_line(e).startswith("data.train_dir: 1 file(s) in ") and "WXYZ_gone.png (No such file or directory)" in \
+        str(e.value) and str(e.value).endswith("(remove them, or point the links at the images)")
+
+
 def test_files_without_an_image_suffix_are_ignored_by_name(tmp_path):
     write_captcha_folder(tmp_path, 2, CHARSET, 4, W, H)
     (tmp_path / "labels.csv").write_text("a,b\n")

@@ -71,16 +71,28 @@ def list_folder(folder: Path, key: str) -> tuple[list[Entry], list[str]]:
     is one error line (one of folders: which to name)."""
     if not folder.is_dir():
         raise UserError(f"{key}: no such folder {str(folder)!r}")
-    entries, ignored, folders = [], [], []
-    with os.scandir(folder) as listing:
-        for item in listing:
-            if item.is_dir():
-                folders.append(item.name)
-            elif item.name.lower().endswith(IMAGE_SUFFIXES):
-                stat = item.stat()
-                entries.append(Entry(item.name, stat.st_size, stat.st_mtime_ns))
-            else:
-                ignored.append(item.name)
+    entries, ignored, folders, broken = [], [], [], []
+    try:
+        with os.scandir(folder) as listing:
+            for item in listing:
+                if item.is_dir():
+                    folders.append(item.name)
+                elif item.name.lower().endswith(IMAGE_SUFFIXES):
+                    try:
+                        stat = item.stat()
+                    except OSError as e:  # a link to nowhere, a file gone while listed
+                        broken.append(f"{item.name} ({e.strerror or type(e).__name__})")
+                        continue
+                    entries.append(Entry(item.name, stat.st_size, stat.st_mtime_ns))
+                else:
+                    ignored.append(item.name)
+    except OSError as e:
+        raise UserError(f"{key}: cannot list {str(folder)!r} ({e.strerror or type(e).__name__}); give this user read "
+                        f"access to it") from None
+    if broken:
+        raise UserError(f"{key}: {len(broken)} file(s) in {str(folder)!r} cannot be read: "
+                        f"{'; '.join(sorted(broken)[:NAMED])}{' ...' if len(broken) > NAMED else ''} (remove them, or "
+                        f"point the links at the images)")
     if not entries:
         if folders:
             shown = ", ".join(f"{f}/" for f in sorted(folders)[:NAMED])
