@@ -54,13 +54,12 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
     where = Where.of(config, single)
     resumed = check_resume(config, where.tracking_uri, where.experiment_path, where.name) if resume else None
     check_address(address)
-    data = load_checked_data(config, single, cap_batch)  # before Ray: what the data cannot run is refused here
+    check_batches(config, single, cap_batch)  # before Ray: a batch the data cannot run is refused here
     tracking.reconcile_orphans(where.tracking_uri, keep=resumed)
     started_ray = connect(address, config.scaling.worker_start_timeout_s, verbose)
     sweep = Sweep(config, where, single)
     try:
-        sweep.start(cap_batch, data)  # the plan, the broker (its groups start building), ASHA
-        del data  # the object store holds it for the ranks now: the driver's own copy (0.5 GiB at 55,000 images) goes
+        sweep.start(cap_batch)  # the plan, the data, the broker (its groups start building), ASHA
         sweep.open_runs(resumed)  # the parent run: new, or taken over (--resume)
         with tracking.Heartbeat(where.tracking_uri, sweep.parent_run_id):
             results = sweep.fit(resume, progress_every_s)  # every trial's run whole in the store when it returns
@@ -88,16 +87,17 @@ class Sweep:
         self.experiment_id: str | None = None
         self.ended = False  # the parent run has its verdict: nothing to end on the way out
 
-    def start(self, cap_batch: int | None, data) -> None:
+    def start(self, cap_batch: int | None) -> None:
         """Before any trial: a trial that could never fit fails fast, one that does not fit yet waits (saying for
-        what); the data (data.CaptchaData, read and checked before Ray started) goes into the object store once (trials
-        get an object ref); the broker opens and its first groups start building while MLflow opens and Tune starts
-        (every trial of a spec has its scaling)."""
+        what); the data is decoded (or read from its cache) once per sweep and goes into the object store once
+        (trials get an object ref: the driver keeps no copy); the broker opens and its first groups start building
+        while MLflow opens and Tune starts (every trial of a spec has its scaling)."""
         import ray
 
         from raysweep import console, slots
         from raysweep.asha import AshaPlan
         from raysweep.cluster import plan_when_free, trial_driver_node, worker_env
+        from raysweep.data import load_data
         from raysweep.data.describe import mlflow_params
         from raysweep.relay import SweepContext
 
@@ -105,18 +105,21 @@ class Sweep:
         self.plan = plan_when_free(config, self.num_samples, console.print_waiting)
         console.print_plan(self.plan)
         batch_cap = resolve_batch_cap(config, cap_batch)
-        if batch_cap != static_batch_cap(config, cap_batch):  # measured now (max: probe): the data checked again
-            config.trials.check_data_fits(len(data.train), batch_cap, searched=not self.single, source=config.source)
+        data = load_data(config.data, console.progress_printer())
+        console.print_data(data, config.data)
+        train_size = len(data.train)  # what check_batches counted, unless the folder changed since
+        config.trials.check_data_fits(train_size, batch_cap, searched=not self.single, source=config.source)
         self.data_params = mlflow_params(data)
+        data_ref = ray.put(data.for_workers())
+        del data  # the object store holds it for the ranks: the driver's own copy (0.5 GiB at 55,000 images) goes
         compile_cache = storage.join(where.experiment_path, "compile_cache")
         self.broker = slots.open_broker(where.experiment_path, self.plan.trials_at_once, slots.SlotPlan(
-            ray.put(data.for_workers()), storage.join(where.experiment_path, "slots"), worker_env(compile_cache),
-            compile_cache, trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
-        self.broker.prewarm.remote(config.trials.trial(config.trials.default_knobs(), len(data.train),
-                                                       batch_cap).to_dict(),
+            data_ref, storage.join(where.experiment_path, "slots"), worker_env(compile_cache), compile_cache,
+            trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
+        self.broker.prewarm.remote(config.trials.trial(config.trials.default_knobs(), train_size, batch_cap).to_dict(),
                                    min(self.plan.trials_at_once, self.num_samples))
         self.asha = None if self.single else AshaPlan.of(config)
-        self.context = SweepContext(config.trials, len(data.train), storage.join(where.experiment_path, "train"),
+        self.context = SweepContext(config.trials, train_size, storage.join(where.experiment_path, "train"),
                                     self.broker, batch_cap, self.asha.decision_points if self.asha else (),
                                     config.time_attr)
 
@@ -309,18 +312,14 @@ def _tuner(sweep: Sweep, resume: bool):
                                   verbose=0))
 
 
-def load_checked_data(config, single: bool, cap_batch: int | None):
-    """The sweep's data (data.load_data: a folder decoded or read from its cache, or the synthetic set), stated on the
-    console with every conversion reading it made; then the search's batches checked against it. Runs before Ray
-    starts, so that what the data cannot run is one line and exit 2 before anything is started."""
-    from raysweep import console
-    from raysweep.data import load_data
+def check_batches(config, single: bool, cap_batch: int | None) -> None:
+    """The search's batches against the training set's size (a folder listed, not decoded: a fraction of a second
+    for 50,000 files): what the data cannot run is one line and exit 2 before Ray starts. The sweep checks again
+    with the decoded set and a measured batch cap (Sweep.start)."""
+    from raysweep.data import train_size
 
-    data = load_data(config.data, console.progress_printer())
-    console.print_data(data, config.data)
-    config.trials.check_data_fits(len(data.train), static_batch_cap(config, cap_batch), searched=not single,
+    config.trials.check_data_fits(train_size(config.data), static_batch_cap(config, cap_batch), searched=not single,
                                   source=config.source)
-    return data
 
 
 def static_batch_cap(config, cap_batch: int | None) -> int | None:

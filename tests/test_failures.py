@@ -167,6 +167,8 @@ def test_sweep_survives_oom_and_divergence(ray_cluster, tmp_path, monkeypatch, c
     monkeypatch.setenv("RAYSWEEP_TEST_NAN_AT_STEP", "10")  # only batch-16 trials take 10 optimizer steps
     spec = tiny_spec(
         tmp_path,
+        # 128 per rank: the batch-128 trials have a share to run (a per-GPU batch above it is refused before Ray)
+        data={"width": 64, "height": 24, "synthetic": {"train_size": 256, "val_size": 64, "seed": 0}},
         train={"epochs": 2, "reference_batch_size": 64, "max_downshifts": 1},
         search={"per_gpu_batch_size": {"choice": [16, 64, 128], "default": 16},
                 "base_lr": {"loguniform": [1.0e-4, 1.0e-3]},
@@ -193,7 +195,7 @@ def test_sweep_survives_oom_and_divergence(ray_cluster, tmp_path, monkeypatch, c
         else:  # grace_period = max_t: ASHA cannot cut a trial, so every other one finishes
             assert tune_status == "TERMINATED" and run.info.status == "FINISHED"
             p = run.data.params
-            # what ran: 48 images a rank per step (96 a rank, 2 steps) OOM'd above 32, so 2 × 24 (nominally 2 × 32)
-            assert (p["micro_batch_size"], p["accumulation_steps"], p["oom_downshifts"]) == ("24", "2", "1")
+            # what ran: 64 images a rank per step (128 a rank, 2 steps) OOM'd above 32, so 2 micro-batches of 32
+            assert (p["micro_batch_size"], p["accumulation_steps"], p["oom_downshifts"]) == ("32", "2", "1")
             assert p["global_batch_size"] == "128"  # 64 × 2 workers × 1, as sampled
     assert seen == {16, 64, 128}, f"seed 3 no longer samples every batch: {seen}"

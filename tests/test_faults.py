@@ -71,7 +71,7 @@ def test_a_sweep_that_finds_the_cluster_busy_waits_saying_for_what_then_runs(ray
     ray_cluster.get(hog.ready.remote(), timeout=60)
     result = []
     sweep = threading.Thread(target=lambda: result.append(main(["train", str(write_spec(tmp_path, tiny_spec(
-        tmp_path, train={"epochs": 1, "reference_batch_size": 64})))])), daemon=True)
+        tmp_path, train={"epochs": 1, "reference_batch_size": 64}, search={"warmup_epochs": 0})))])), daemon=True)
     try:
         sweep.start()
         time.sleep(20)  # longer than the worker group start-up wait (2 × 15 s would have failed it before)

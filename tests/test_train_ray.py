@@ -136,7 +136,7 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
         return {a.actor_id: a.class_name for a in list_actors(limit=10_000, raise_on_missing_output=False)}
 
     before, handler = actors(), signal.getsignal(signal.SIGINT)
-    _, reports = _fit(tmp_path, "helpers", ["train.epochs=1"], data_ref)
+    _, reports = _fit(tmp_path, "helpers", ["train.epochs=1", "search.warmup_epochs=0"], data_ref)
     assert [r["epoch"] for r in reports] == [1]
     started = [name for actor_id, name in actors().items() if actor_id not in before]  # this run's only
     assert started.count("RayTrainWorker") == 2  # the query sees this run's actors

@@ -28,7 +28,24 @@ from raysweep.errors import UserError
 SPLIT_SEED = 0  # hold-out split of a single folder: fixed, so every trial and sweep sees the same split
 
 __all__ = ["CaptchaArrays", "CaptchaData", "DataFacts", "FolderFacts", "ProgressFn", "SPLIT_SEED", "cache_dir",
-           "encode_label", "load_data", "read_folder", "synthetic_split", "write_captcha_folder"]
+           "encode_label", "held_out", "load_data", "read_folder", "synthetic_split", "train_size",
+           "write_captcha_folder"]
+
+
+def train_size(cfg) -> int:
+    """How many training images a `DataConfig` gives, without decoding any: the synthetic set's size, or the
+    folder's image files (less the held-out share): what the search's batches are checked against before Ray."""
+    from raysweep.data.folder import list_folder
+
+    if cfg.train_dir is None:
+        return cfg.synthetic.train_size
+    n = len(list_folder(cfg.train_dir, "data.train_dir")[0])
+    return n if cfg.val_dir is not None else n - held_out(n, cfg.val_fraction)
+
+
+def held_out(n: int, val_fraction: float) -> int:
+    """Images of a folder of n held out for validation (data.val_fraction, at least one)."""
+    return max(1, round(n * val_fraction))
 
 
 def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
@@ -47,7 +64,7 @@ def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
         source, val_facts = f"{cfg.train_dir} + {cfg.val_dir}", val.facts
     else:
         n = len(train.names)
-        n_val = max(1, round(n * cfg.val_fraction))
+        n_val = held_out(n, cfg.val_fraction)
         if n_val >= n:
             raise UserError(f"data.train_dir: {n} images are too few to hold out val_fraction {cfg.val_fraction}; "
                             f"add images, or give a validation folder (data.val_dir)")
