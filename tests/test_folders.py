@@ -335,6 +335,16 @@ def test_a_second_read_of_an_unchanged_folder_decodes_nothing_and_a_changed_file
     assert progress.labels == ["decoding d"] and resized.arrays.images.shape == (12, 12, 32)
 
 
+def test_a_cache_that_cannot_be_written_costs_the_next_run_a_decode_never_this_one(tmp_path, monkeypatch, caplog):
+    write_captcha_folder(tmp_path / "d", 4, CHARSET, 4, W, H)
+    (tmp_path / "not-a-folder").write_text("a file where the cache folder would go")
+    monkeypatch.setenv("RAYSWEEP_CACHE_DIR", str(tmp_path / "not-a-folder"))
+    assert len(_read(tmp_path / "d").names) == 4
+    assert "could not write the cache" in caplog.text and "RAYSWEEP_CACHE_DIR moves the cache" in caplog.text
+    again = _read(tmp_path / "d", progress=(progress := _Seen()))
+    assert progress.labels == ["decoding d"] and not again.facts.from_cache
+
+
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYSWEEP_CACHE_DIR", str(tmp_path / "cache"))

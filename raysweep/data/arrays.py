@@ -4,12 +4,16 @@ encoding and the cache folder they share."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # progress(label, done, total): called as work advances (the driver prints it: console.progress_printer); None: quiet
 ProgressFn = Callable[[str, int, int], None]
@@ -86,13 +90,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysweep"
 
 
-def save_npz(path: Path, **arrays) -> None:
-    """`np.savez` written whole or not at all: a killed run never leaves a half-written cache behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save_npz(path: Path, **arrays) -> bool:
+    """`np.savez` written whole or not at all: a killed run never leaves a half-written cache behind. A cache that
+    cannot be written (a read-only home, a full disk) costs the next run a decode, never this one: logged, False."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)
+        return True
+    except OSError as e:
+        log.warning("could not write the cache %s (%s); the next run decodes again (RAYSWEEP_CACHE_DIR moves the "
+                    "cache)", path, e.strerror or e)
+        return False
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

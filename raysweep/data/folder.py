@@ -171,10 +171,10 @@ def read_folder(folder: Path, charset: str, length: int, width: int, height: int
     cached = _load_cache(path)
     if cached is None:
         images, hashes, counts = _decode_all(folder, entries, width, height, key, progress or quiet)
-        save_npz(path, images=images, hashes=hashes, counts=np.array(json.dumps(counts)))
-        for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.npz"):  # this folder's older listings
-            if stale != path:
-                stale.unlink(missing_ok=True)
+        if save_npz(path, images=images, hashes=hashes, counts=np.array(json.dumps(counts))):
+            for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.npz"):  # this folder's older listings
+                if stale != path:
+                    stale.unlink(missing_ok=True)
     else:
         images, hashes, counts = cached
     fold = _fold(charset)
