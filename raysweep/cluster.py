@@ -190,22 +190,69 @@ PLAN_SAY_EVERY_S = 60.0
 def plan_when_free(config: SweepConfig, num_samples: int, say) -> Plan:
     """`plan_concurrency` on what the cluster has free now; while not even one trial fits, wait (`say(line)`:
     once, then every PLAN_SAY_EVERY_S, what for). Ray's resources freed a moment ago (a sweep that just ended in
-    this process) may take a poll or two to show."""
+    this process) may take a poll or two to show. While short, it removes the placement groups of this job whose
+    creator is dead (remove_orphaned_groups): what an earlier sweep of this process left when its broker was lost."""
     import time
 
     import ray
 
     said = None
     started = time.monotonic()
+    cleaned = None  # when the orphans were last looked for
     while True:
         plan = plan_concurrency(ray.cluster_resources(), config, num_samples, ray.available_resources())
         if plan.trials_at_once > 0:
             return plan
         now = time.monotonic()
+        if cleaned is None or now - cleaned >= ORPHAN_LOOK_EVERY_S:
+            cleaned = now
+            if remove_orphaned_groups():
+                continue  # look again at once (what was removed shows free within a poll or two)
         if now - started > 2 * PLAN_POLL_S and (said is None or now - said >= PLAN_SAY_EVERY_S):
             say(plan.message)
             said = now
         time.sleep(PLAN_POLL_S)
+
+
+ORPHAN_LOOK_EVERY_S = 10.0
+
+
+def remove_orphaned_groups() -> list[str]:
+    """Remove this job's placement groups whose creating actor is dead; returns their ids.
+
+    Train V2's controller (an actor) places its worker group's placement group; Ray frees such a group only once
+    its creating actor *and* its job have both died (the GCS's lifetime rule, IsPlacementGroupLifetimeDone in
+    src/ray/gcs/gcs_server/gcs_placement_group_manager.cc), and Train V2's PlacementGroupCleaner removes only the
+    group the controller last registered with it. A slot's host killed while its controller restarted the group
+    (a broker lost, a SIGKILL) leaves the new group holding its CPUs and GPUs for as long as the driver's job lives:
+    for ever in a process that goes on (a test session, a notebook). Such a group is owned by no one by
+    construction: its creator is dead and it is not detached, so nothing can schedule into it again. Only this job's
+    groups are touched (another driver's go with its job). The GCS's own table (ray._private.state, as
+    `ray.util.placement_group_table` reads it) is read for `creator_actor_dead`, which the public table omits."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    table = gcs_pb2.PlacementGroupTableData
+    job = ray.get_runtime_context().get_job_id()
+    removed = []
+    try:
+        infos = [table.FromString(blob) for blob in state._connect_and_get_accessor().get_placement_group_table()]
+    except Exception as e:  # the GCS briefly unreachable: nothing known to be an orphan
+        log.debug("reading the placement group table: %s", e)
+        return removed
+    for info in infos:
+        if (info.state != table.REMOVED and not info.is_detached and info.creator_actor_id
+                and info.creator_actor_dead and info.creator_job_id.hex() == job):
+            pg_id = info.placement_group_id.hex()
+            log.warning("removing placement group %s: the actor that placed it is dead", pg_id)
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(info.placement_group_id)))
+                removed.append(pg_id)
+            except Exception as e:  # removed meanwhile
+                log.debug("placement group %s: %s", pg_id, e)
+    return removed
 
 
 def worker_env(compile_cache: str | None = None) -> dict[str, str]:

@@ -211,6 +211,62 @@ def test_the_broker_killed_ends_the_sweep_with_the_cause_and_resume_finishes_it_
     assert ended_in < 240, ended_in  # the broker's loss was noticed (within seconds), not waited out
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_a_placement_group_whose_creator_died_is_removed_by_the_next_plan_and_a_live_ones_is_not(ray_cluster,
+                                                                                                tmp_path):
+    """A worker-shaped placement group placed by an actor that is then killed (what a slot's controller leaves when
+    its host dies while it restarts the group) holds its CPUs as long as the job lives: Ray frees an actor's group
+    only once its job has ended too. The next sweep of the same process (the resume after a lost broker, above)
+    waited in its plan for ever: CI's broker test hung there, the group's creator dead. Now the plan removes it."""
+    import ray
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    from raysweep.cluster import plan_when_free, remove_orphaned_groups
+    from raysweep.config import load_config
+
+    @ray.remote(num_cpus=0)
+    class Placer:
+        def place(self, bundles: int) -> str:
+            from ray.util.placement_group import placement_group
+
+            pg = placement_group([{"CPU": 1.0}] * bundles)
+            ray.get(pg.ready(), timeout=60)
+            return pg.id.hex()
+
+    dying = Placer.remote()
+    orphan = ray.get(dying.place.remote(2), timeout=90)
+    ray.kill(dying)  # SIGKILL: its group stays, holding both CPUs of the session's cluster
+    _wait_for(lambda: _actor_state(dying) == "DEAD" or None, 30, "the placer's death")
+    assert placement_group_table()[orphan]["state"] == "CREATED"  # Ray keeps it: the job lives
+    assert ray.available_resources().get("CPU", 0) == 0
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
+    plans, said = [], []
+    planner = threading.Thread(target=lambda: plans.append(plan_when_free(config, 1, said.append)), daemon=True)
+    planner.start()
+    planner.join(timeout=60)
+    assert plans and plans[0].trials_at_once == 1, f"the plan still waits: {said}"
+    assert placement_group_table()[orphan]["state"] == "REMOVED"
+    # a group whose placer lives is never an orphan, however long it has held its CPU
+    living = Placer.remote()
+    kept = ray.get(living.place.remote(1), timeout=90)
+    try:
+        assert remove_orphaned_groups() == []
+        assert placement_group_table()[kept]["state"] == "CREATED"
+    finally:
+        from ray.util.placement_group import PlacementGroup
+
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(kept))))
+        ray.kill(living)
+
+
+def _actor_state(actor) -> str | None:
+    from ray.util.state import get_actor
+
+    found = get_actor(actor._actor_id.hex())
+    return found.state if found is not None else None
+
+
 def _free_port() -> int:
     import socket
 
