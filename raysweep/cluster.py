@@ -221,8 +221,9 @@ def remove_orphaned_groups() -> list[str]:
     """Remove this job's placement groups whose creating actor is dead; returns their ids.
 
     Train V2's controller (an actor) places its worker group's placement group; Ray frees such a group only once
-    its creating actor *and* its job have both died (the GCS's lifetime rule, IsPlacementGroupLifetimeDone in
-    src/ray/gcs/gcs_server/gcs_placement_group_manager.cc), and Train V2's PlacementGroupCleaner removes only the
+    its creating actor *and* its job have both died (the GCS's lifetime rule, GcsPlacementGroup::
+    IsPlacementGroupLifetimeDone in ray's src/ray/gcs/gcs_placement_group.cc), and Train V2's PlacementGroupCleaner
+    (ray/train/v2/_internal/execution/controller/placement_group_cleaner.py) removes only the
     group the controller last registered with it. A slot's host killed while its controller restarted the group
     (a broker lost, a SIGKILL) leaves the new group holding its CPUs and GPUs for as long as the driver's job lives:
     for ever in a process that goes on (a test session, a notebook). Such a group is owned by no one by
