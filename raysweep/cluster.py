@@ -93,8 +93,8 @@ def _join_error(address: str, e: Exception) -> UserError:
 
 
 def check_address(address: str | None) -> None:
-    """An --address Ray could never parse is one line before anything slow starts (a sweep reads its data before it
-    joins Ray): Ray takes `auto`, `local`, `ray://…` or host:port (`canonicalize_bootstrap_address` in
+    """An --address Ray could never parse is one line before anything slow starts (a sweep lists its data folder
+    before it joins Ray): Ray takes `auto`, `local`, `ray://…` or host:port (`canonicalize_bootstrap_address` in
     ray/_private/services.py)."""
     if address and not re.fullmatch(r"auto|local|ray://\S+|\S+:\d+", address):
         raise _join_error(address, ValueError(f"Invalid address format: {address}"))

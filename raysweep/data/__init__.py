@@ -23,6 +23,7 @@ from raysweep.data.arrays import (
     cache_dir,
     encode_label,
 )
+from raysweep.data.synthetic import synthetic_split, write_captcha_folder
 from raysweep.errors import UserError
 
 SPLIT_SEED = 0  # hold-out split of a single folder: fixed, so every trial and sweep sees the same split
@@ -44,8 +45,12 @@ def train_size(cfg) -> int:
 
 
 def held_out(n: int, val_fraction: float) -> int:
-    """Images of a folder of n held out for validation (data.val_fraction, at least one)."""
-    return max(1, round(n * val_fraction))
+    """Images of a folder of n held out for validation (data.val_fraction, at least one, and fewer than n)."""
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise UserError(f"data.train_dir: {n} images are too few to hold out val_fraction {val_fraction}; add "
+                        f"images, or give a validation folder (data.val_dir)")
+    return n_val
 
 
 def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
@@ -65,9 +70,6 @@ def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
     else:
         n = len(train.names)
         n_val = held_out(n, cfg.val_fraction)
-        if n_val >= n:
-            raise UserError(f"data.train_dir: {n} images are too few to hold out val_fraction {cfg.val_fraction}; "
-                            f"add images, or give a validation folder (data.val_dir)")
         order = np.random.default_rng(SPLIT_SEED).permutation(n)
         train, val = train.subset(np.sort(order[n_val:])), train.subset(np.sort(order[:n_val]))
         source, val_facts = f"{cfg.train_dir} (val_fraction {cfg.val_fraction})", None
@@ -81,15 +83,3 @@ def read_folder(folder, charset: str, length: int, width: int, height: int, key:
     from raysweep.data.folder import read_folder as read
 
     return read(folder, charset, length, width, height, key, progress).arrays
-
-
-def synthetic_split(*args, **kwargs) -> CaptchaArrays:
-    from raysweep.data.synthetic import synthetic_split as split
-
-    return split(*args, **kwargs)
-
-
-def write_captcha_folder(*args, **kwargs):
-    from raysweep.data.synthetic import write_captcha_folder as write
-
-    return write(*args, **kwargs)

@@ -5,6 +5,7 @@ encoding and the cache folder they share."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -78,8 +79,14 @@ class CaptchaData:
         return CaptchaData(self.train, self.val, self.source)
 
 
+@functools.lru_cache(maxsize=8)
+def charset_index(charset: str) -> dict[str, int]:
+    """Character → its label index (built once per charset: a folder's 50,000 labels use one)."""
+    return {c: i for i, c in enumerate(charset)}
+
+
 def encode_label(text: str, charset: str) -> np.ndarray:
-    index = {c: i for i, c in enumerate(charset)}
+    index = charset_index(charset)
     return np.array([index[c] for c in text], dtype=np.uint8)
 
 

@@ -29,7 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
-from raysweep.data.arrays import CaptchaArrays, FolderFacts, ProgressFn, cache_dir, quiet, save_npz
+from raysweep.data.arrays import (
+    CaptchaArrays,
+    FolderFacts,
+    ProgressFn,
+    cache_dir,
+    charset_index,
+    quiet,
+    save_npz,
+)
 from raysweep.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -117,9 +125,11 @@ def _fold(charset: str):
     return None
 
 
-def read_labels(entries: list[Entry], charset: str, length: int, folder: Path, key: str) -> tuple[np.ndarray, int]:
-    """Every file's label as charset indices (N, length) uint8, and how many were read in the charset's case; labels
-    the charset or length cannot take are one error line naming up to five files and the fix."""
+def read_labels(entries: list[Entry], charset: str, length: int, folder: Path,
+                key: str) -> tuple[np.ndarray, int, str]:
+    """Every file's label as charset indices (N, length) uint8, how many were read in the charset's case, and that
+    case ("uppercase", "lowercase", "" when none was); labels the charset or length cannot take are one error line
+    naming up to five files and the fix."""
     allowed, fold = set(charset), _fold(charset)
     texts, folded, wrong_length, outside = [], 0, [], []
     for entry in entries:
@@ -133,11 +143,9 @@ def read_labels(entries: list[Entry], charset: str, length: int, folder: Path, k
         texts.append(text)
     if wrong_length or outside:
         raise UserError(_bad_labels(wrong_length, outside, len(entries), length, allowed, folder, key))
-    labels = np.empty((len(texts), length), dtype=np.uint8)
-    index = {c: i for i, c in enumerate(charset)}
-    for i, text in enumerate(texts):
-        labels[i] = [index[c] for c in text]
-    return labels, folded
+    index = charset_index(charset)
+    labels = np.array([[index[c] for c in text] for text in texts], dtype=np.uint8).reshape(len(texts), length)
+    return labels, folded, ("uppercase" if fold is str.upper else "lowercase") if folded else ""
 
 
 def _bad_labels(wrong_length: list, outside: list, total: int, length: int, allowed: set, folder: Path,
@@ -166,7 +174,7 @@ def read_folder(folder: Path, charset: str, length: int, width: int, height: int
     each, naming up to five files."""
     folder = Path(folder)
     entries, ignored = list_folder(folder, key)
-    labels, folded = read_labels(entries, charset, length, folder, key)
+    labels, folded, fold = read_labels(entries, charset, length, folder, key)
     path = _cache_path(folder, entries, width, height)
     cached = _load_cache(path)
     if cached is None:
@@ -177,11 +185,9 @@ def read_folder(folder: Path, charset: str, length: int, width: int, height: int
                     stale.unlink(missing_ok=True)
     else:
         images, hashes, counts = cached
-    fold = _fold(charset)
     facts = FolderFacts(
         key=key, folder=str(folder), images=len(entries), formats=counts["formats"], modes=counts["modes"],
-        sizes=counts["sizes"], resized=counts["resized"], folded=folded,
-        fold=("uppercase" if fold is str.upper else "lowercase") if folded else "", ignored=tuple(ignored),
+        sizes=counts["sizes"], resized=counts["resized"], folded=folded, fold=fold, ignored=tuple(ignored),
         duplicates=len(hashes) - len(np.unique(hashes)), from_cache=cached is not None)
     return FolderImages(CaptchaArrays(images, labels), [e.name for e in entries], hashes, facts)
 
