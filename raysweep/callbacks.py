@@ -157,11 +157,27 @@ class MLflowEvents(Callback):
         self._put(self.runs.end, *self._run_of(trial), *run_ending(view.status, view.epoch, kind, view.error))
 
 
-class ConsoleEvents(Callback):
-    """Tune's events to the console (`progress`: console.ConsoleProgress)."""
+_PROGRESS: dict[str, object] = {}  # this driver's console, by the sweep's folder (ConsoleEvents.progress)
 
-    def __init__(self, progress, horizon):
-        self.progress, self.horizon = progress, horizon
+
+def show_progress(experiment_path: str, progress) -> None:
+    """Where the sweep at `experiment_path` prints its events (console.ConsoleProgress): this driver's, set before
+    Tune starts or restores the sweep."""
+    _PROGRESS[experiment_path] = progress
+
+
+class ConsoleEvents(Callback):
+    """Tune's events to the console of the driver that runs the sweep now. Tune pickles its callbacks with the
+    experiment and `--resume` gets them back as they were: holding the progress object itself, a resumed sweep
+    printed to the first driver's (its --progress-every, its start-up figures, which the new driver's summary
+    never saw). So it holds the sweep's folder and finds this driver's console by it (show_progress)."""
+
+    def __init__(self, experiment_path: str, horizon):
+        self.experiment_path, self.horizon = experiment_path, horizon
+
+    @property
+    def progress(self):
+        return _PROGRESS[self.experiment_path]
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.progress.trial_start(TrialView.of_trial(trial, self.horizon))

@@ -229,7 +229,9 @@ def remove_orphaned_groups() -> list[str]:
     for ever in a process that goes on (a test session, a notebook). Such a group is owned by no one by
     construction: its creator is dead and it is not detached, so nothing can schedule into it again. Only this job's
     groups are touched (another driver's go with its job). The GCS's own table (ray._private.state, as
-    `ray.util.placement_group_table` reads it) is read for `creator_actor_dead`, which the public table omits."""
+    `ray.util.placement_group_table` reads it) is read for `creator_actor_dead`, which the public table omits. A
+    group a driver placed (Tune's trial groups) has the nil actor as its creator, which the GCS marks dead from the
+    start (PlacementGroupSpecBuilder, ray's src/ray/common/placement_group.h): those are left alone."""
     import ray
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
@@ -244,7 +246,8 @@ def remove_orphaned_groups() -> list[str]:
         log.debug("reading the placement group table: %s", e)
         return removed
     for info in infos:
-        if (info.state != table.REMOVED and not info.is_detached and info.creator_actor_id
+        placed_by_actor = info.creator_actor_id and not ray.ActorID(info.creator_actor_id).is_nil()
+        if (info.state != table.REMOVED and not info.is_detached and placed_by_actor
                 and info.creator_actor_dead and info.creator_job_id.hex() == job):
             pg_id = info.placement_group_id.hex()
             log.warning("removing placement group %s: the actor that placed it is dead", pg_id)

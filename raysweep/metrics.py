@@ -41,8 +41,9 @@ class EpochMetrics:
     grad_noise_scale: float | None = None  # B_noise = tr(Σ) / |G|², samples: the batch past which growth stops paying
     grad_sq_norm: float | None = None  # |G|², the true gradient's squared norm (epoch mean of the estimate)
     grad_trace_cov: float | None = None  # tr(Σ), per-example gradient variance summed over parameters (epoch mean)
-    # tune.target reached (TargetWatch): how long it took, interpolated between the two epochs that straddle the
-    # value (reached in the first epoch: that epoch's own figures); in every report from that epoch on
+    # tune.target reached (worker/run.TrainingRun.watch_target): how long it took, interpolated between the two
+    # epochs that straddle the value (in the first epoch: from the start of training, whose value one evaluation
+    # of the untrained model gives, TrainingRun.watch_start); in every report from that epoch on
     time_to_target_s: float | None = None  # training seconds (train_seconds' clock)
     epochs_to_target: float | None = None  # epochs, fractional
     samples_to_target: float | None = None  # training samples, all ranks
@@ -208,8 +209,9 @@ def reached(value: float, target: float, mode: str) -> bool:
 
 def to_target(before: tuple[float, ...] | None, after: tuple[float, ...], target: float) -> tuple[float, ...]:
     """(seconds, epochs, samples) to a target from two epochs' (seconds, epochs, samples, value): linearly
-    interpolated between `before` (not reached) and `after` (reached); no `before` (reached in the first epoch,
-    whose start has no value): `after`'s own figures."""
+    interpolated between `before` (not reached; the start of training, (0, 0, 0, the untrained value), for the first
+    epoch) and `after` (reached); no `before` (a checkpoint from before the start was measured): `after`'s own
+    figures."""
     if before is None or after[3] == before[3]:
         return after[:3]
     f = (target - before[3]) / (after[3] - before[3])

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from raysweep import storage
+from raysweep import layout, storage
 from raysweep.config import SweepConfig
 from raysweep.errors import UserError
 
@@ -105,9 +105,9 @@ def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: f
     from raysweep.worker.probe_step import ProbeStep
 
     trial = config.trials.trial(config.trials.default_knobs(), train_size=1)
-    root = storage.join(storage.resolve(config.storage_path), config.name, "probe")
+    root = storage.join(storage.resolve(config.storage_path), config.name, layout.PROBE)
     name = f"probe-{datetime.now():%Y%m%d-%H%M%S}"
-    out = storage.join(root, name, "probe.json")
+    out = storage.join(root, name, layout.PROBE_FILE)
     opts = ProbeOptions(start, max_batch, max_memory_gb, out)
     make_trainer(trial, None, root, name, env=worker_env(), worker_fn=probe_worker,
                  extra_config={"probe": asdict(opts)}).fit()

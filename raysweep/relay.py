@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raysweep import storage
+from raysweep import layout
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
         return
     trial = context.trials.trial(knobs, context.train_size, context.batch_cap)
     # the folder comes from the trial id: a trial run again (restart, --resume) continues from its checkpoint there
-    run_dir = storage.join(context.train_storage, f"trial-{trial_id}")
+    run_dir = layout.trial_dir(context.train_storage, trial_id)
     retries = 0
     while True:
         try:

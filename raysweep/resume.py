@@ -99,7 +99,7 @@ def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
     continues (Tune's state, saved every few seconds, can trail it, or hold no result for a trial that did train)."""
     from ray.tune import ExperimentAnalysis
 
-    from raysweep.worker.entry import last_checkpoint_epoch
+    from raysweep import layout
 
     trials = ExperimentAnalysis(experiment_path).trials
     ended = [t for t in trials if t.status in ("TERMINATED", "ERROR")]
@@ -107,7 +107,7 @@ def resume_summary(experiment_path: str, num_samples: int) -> ResumeSummary:
     for t in trials:
         if t in ended:
             continue
-        epoch = last_checkpoint_epoch(storage.join(experiment_path, "train", f"trial-{t.trial_id}"))
+        epoch = layout.last_checkpoint_epoch(layout.trial_dir(storage.join(experiment_path, layout.TRAIN), t.trial_id))
         if epoch:  # a trial stopped by Ctrl-C is saved PENDING, but it has trained: it continues too
             running.append((t.trial_id, epoch))
     return ResumeSummary(len(ended), running, num_samples - len(ended) - len(running))

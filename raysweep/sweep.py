@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 
-from raysweep import storage
+from raysweep import layout, storage
 from raysweep.errors import BrokerLost, UserError
 from raysweep.failures import find_cause
 
@@ -112,14 +112,14 @@ class Sweep:
         self.data_params = mlflow_params(data)
         data_ref = ray.put(data.for_workers())
         del data  # the object store holds it for the ranks: the driver's own copy (0.5 GiB at 55,000 images) goes
-        compile_cache = storage.join(where.experiment_path, "compile_cache")
+        compile_cache = storage.join(where.experiment_path, layout.COMPILE_CACHE)
         self.broker = slots.open_broker(where.experiment_path, self.plan.trials_at_once, slots.SlotPlan(
-            data_ref, storage.join(where.experiment_path, "slots"), worker_env(compile_cache), compile_cache,
+            data_ref, storage.join(where.experiment_path, layout.SLOTS), worker_env(compile_cache), compile_cache,
             trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
         self.broker.prewarm.remote(config.trials.trial(config.trials.default_knobs(), train_size, batch_cap).to_dict(),
                                    min(self.plan.trials_at_once, self.num_samples))
         self.asha = None if self.single else AshaPlan.of(config)
-        self.context = SweepContext(config.trials, train_size, storage.join(where.experiment_path, "train"),
+        self.context = SweepContext(config.trials, train_size, storage.join(where.experiment_path, layout.TRAIN),
                                     self.broker, batch_cap, self.asha.decision_points if self.asha else (),
                                     config.time_attr)
 
@@ -149,8 +149,10 @@ class Sweep:
     def fit(self, resume: bool, progress_every_s: float):
         """Tune's run of the trials, with the driver's callbacks; every write in the store when it returns."""
         from raysweep import slots, tracking
+        from raysweep.callbacks import show_progress
 
         self.progress = _progress(self.config, self.context.train_size, progress_every_s, self.single)
+        show_progress(self.where.experiment_path, self.progress)  # a restored sweep's callbacks print here too
         try:
             results = _tuner(self, resume).fit()
         except Exception as e:  # Tune may wrap what a callback raised: the broker lost is the cause to show
@@ -198,7 +200,7 @@ class Sweep:
             best = {"trial_id": top.trial_id, "value": top.last(record.metric),
                     "time_to_target_s": top.last("time_to_target_s"),
                     "params": {k: v for k, v in top.params.items() if k not in WORKER_PARAMS}}
-        built = None if self.single else report.publish(record, storage.join(where.experiment_path, "report"))
+        built = None if self.single else report.publish(record, storage.join(where.experiment_path, layout.REPORT))
         tracking.close_sweep(where.tracking_uri, self.parent_run_id, best, record.metric,
                              "FINISHED" if ranked else "FAILED")
         self.ended = True
@@ -267,7 +269,7 @@ def _callbacks(sweep: Sweep) -> list:
     callbacks = [SweepClock(), BrokerLink(where.experiment_path),
                  MLflowEvents(runs, config.trials, sweep.context.train_size, horizon, config.mlflow.retry_s,
                               functools.partial(slots.recorded, where.experiment_path)),
-                 ConsoleEvents(sweep.progress, horizon)]
+                 ConsoleEvents(where.experiment_path, horizon)]
     if sweep.asha is not None:
         callbacks.append(RungKeeper(sweep.scheduler, where.tracking_uri, sweep.parent_run_id))
     return callbacks

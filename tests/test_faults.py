@@ -260,6 +260,59 @@ def test_a_placement_group_whose_creator_died_is_removed_by_the_next_plan_and_a_
         ray.kill(living)
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_a_slot_that_ends_removes_its_own_and_dead_placers_groups_never_a_live_ones(ray_cluster, tmp_path):
+    """Two slots: the older one ends while the younger one's controller (a live actor) has placed its group and
+    not yet reported it. The broker's clean-up removed every worker-shaped group placed since the ending slot
+    launched that no other slot had reported, the younger slot's live group with them (and, with no live slot,
+    every unreported one). Now a group is removed by who placed it: the ending slot's reported group, and groups
+    whose placing actor is dead; a live actor's group and a driver's (Tune's trial groups) stay."""
+    import asyncio
+    import time as clock
+
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+
+    from raysweep.slots.actors import BrokerActor, SlotPlan
+    from raysweep.slots.broker import Slot
+
+    @ray.remote(num_cpus=0)
+    class Placer:
+        def place(self) -> str:
+            from ray.util.placement_group import placement_group
+
+            pg = placement_group([{"CPU": 0.1}, {"CPU": 0.1}])
+            ray.get(pg.ready(), timeout=60)
+            return pg.id.hex()
+
+    broker = BrokerActor(2, SlotPlan(None, str(tmp_path), {}, None, ""))
+    older, younger = Slot(0, "k", clock.time()), Slot(1, "k", clock.time())
+    broker.slots = {0: older, 1: younger}
+    living, dying = Placer.remote(), Placer.remote()
+    live = ray.get(living.place.remote(), timeout=90)  # the younger slot's group, setting up: not reported yet
+    dead = ray.get(dying.place.remote(), timeout=90)
+    ray.kill(dying)
+    _wait_for(lambda: _actor_state(dying) == "DEAD" or None, 30, "the placer's death")
+    driver = placement_group([{"CPU": 0.1}])  # placed by this process, as Tune places its trials' groups
+    ray.get(driver.ready(), timeout=60)
+
+    def state(pg_id):
+        return placement_group_table()[pg_id]["state"]
+
+    try:
+        asyncio.run(broker._release(older))
+        assert (state(live), state(driver.id.hex())) == ("CREATED", "CREATED")
+        _wait_for(lambda: state(dead) == "REMOVED" or None, 30, "the dead placer's group removed")
+        broker.slots = {}  # no slot left: nothing makes a live actor's group an orphan either
+        asyncio.run(broker._remove_orphans())
+        assert (state(live), state(driver.id.hex())) == ("CREATED", "CREATED")
+    finally:
+        for pg_id in (live, driver.id.hex()):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        ray.kill(living)
+
+
 def _actor_state(actor) -> str | None:
     from ray.util.state import get_actor
 

@@ -85,7 +85,7 @@ def _final_weights(train_storage, trial_id):
     """The model of a trial's newest Train checkpoint (its last epoch): {name: tensor}."""
     import torch
 
-    from raysweep.worker.run import CHECKPOINT_FILE
+    from raysweep.layout import CHECKPOINT_FILE
 
     files = train_storage.glob(f"trial-{trial_id}/checkpoint_*/{CHECKPOINT_FILE}")
     states = [torch.load(f, weights_only=True) for f in files]
@@ -129,6 +129,13 @@ def test_worker_killed_mid_trial_restarts_from_its_checkpoint_and_ends_as_its_un
             assert steps == [1, 2, 3, 4, 5], name  # each epoch once, none lost
     samples = {m.step: m.value for m in _client(tmp_path).get_metric_history(run.info.run_id, "samples_seen")}
     assert samples[5] == 5 * 384  # the restart resumed the count from the checkpoint, not from zero
+    # the clock: epoch 3 was trained twice (its first run's seconds are in no checkpoint), so epoch 4's training
+    # seconds go on from epoch 3's reported ones and count the re-run once: about two epochs' worth, never less
+    # than epoch 3's (before, it went on from epoch 2's and the lost run vanished)
+    clock = {m.step: m.value for m in _client(tmp_path).get_metric_history(run.info.run_id, "train_seconds")}
+    step = {e: clock[e] - clock[e - 1] for e in (2, 3, 4, 5)}
+    assert min(step.values()) > 0, clock
+    assert step[4] > 1.5 * float(np.median([step[2], step[3], step[5]])), clock
     assert "epoch 3/5" in capsys.readouterr().out
 
     twin_dir = tmp_path / "twin"
@@ -411,7 +418,7 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
 
     # 3. resume again: every trial ends, the killed one continues from its checkpoint
     resumed_at = int(time.time())
-    driver = _start_driver(path, tmp_path / "run3.log", "--resume")
+    driver = _start_driver(path, tmp_path / "run3.log", "--resume", "--progress-every", "0.5")
     try:
         assert driver.wait(timeout=300) == 0
     finally:
@@ -421,6 +428,10 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
     match = re.search(r"resumed: (\d+) done, (\d+) running(?: from epoch [\d, ]+)?, (\d+) pending", out)
     assert match and sum(map(int, match.groups())) == 4, out[-3000:]
     assert "sweep: 4 trials" in out
+    # the restored sweep prints to this driver's console: its --progress-every (the first driver's was 30 s), and
+    # the start-up of the trials it ran in its summary (before, the restored callback kept them from it)
+    assert out.count("] progress") >= 5, out[-3000:]
+    assert "trial start → first step" in out, out[-3000:]
 
     children = _children(tmp_path)
     assert len(children) == 4 and len({r.info.run_name for r in children}) == 4  # the same runs, reused
@@ -456,8 +467,8 @@ def test_a_warm_groups_checkpoints_keep_the_newest_two_and_a_torn_newest_falls_b
     the newest two are kept, the newest unreadable one is skipped for the one before, none readable → None."""
     import torch
 
-    from raysweep.worker.entry import last_checkpoint_epoch, load_latest, save_checkpoint
-    from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS
+    from raysweep.layout import CHECKPOINT_FILE, KEPT_CHECKPOINTS, last_checkpoint_epoch
+    from raysweep.worker.entry import load_latest, save_checkpoint
 
     run_dir = str(tmp_path / "trial-x")
     assert load_latest(run_dir, torch.device("cpu")) is None and last_checkpoint_epoch(run_dir) == 0

@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from raysweep import storage
+from raysweep import layout, storage
 from raysweep.errors import UserError
 from raysweep.metrics import RunRecord, SweepRecord
 from raysweep.metrics import names as M
@@ -196,7 +196,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
         config = load_config(spec, overrides, sweep=False)
         experiment = config.experiment_name
         uri = tracking.resolve_tracking_uri(tracking_uri or config.mlflow.tracking_uri)
-        default_out = storage.join(storage.resolve(config.storage_path), config.name, "report")
+        default_out = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
     else:
         uri = tracking.resolve_tracking_uri(tracking_uri)
         default_out = str(Path("raysweep_report", experiment).resolve())

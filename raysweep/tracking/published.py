@@ -9,6 +9,7 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
+from raysweep import layout
 from raysweep.metrics import SweepRecord
 from raysweep.tracking.runs import open_sweep
 
@@ -69,7 +70,7 @@ def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin
               "largest_per_gpu_batch": result.largest, "recommended_per_gpu_batch": result.recommended,
               "margin": margin, "memory_limit_gb": round(result.limit_gb, 3)}
     client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
-    client.log_text(run_id, json.dumps([asdict(r) for r in result.rows], indent=1), "probe.json")
+    client.log_text(run_id, json.dumps([asdict(r) for r in result.rows], indent=1), layout.PROBE_FILE)
     client.log_artifact(run_id, str(plot))
     client.set_terminated(run_id, status="FINISHED")
     return run_id

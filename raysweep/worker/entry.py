@@ -6,7 +6,7 @@ Ray is imported inside the functions: the rest of the worker runs (and is tested
     start_rank      a rank's set-up, once per group (device, compile caches, data, nodes)
     SlotRank        one rank of a slot's group across its trials: rank 0's calls to the broker, one trial's run
     train_epochs    the epoch loop every rank runs for a trial
-    save_checkpoint, load_latest, last_checkpoint_epoch: a trial's own checkpoints, in its folder
+    save_checkpoint, load_latest: a trial's own checkpoints, in its folder (named in layout.py)
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from raysweep import storage
+from raysweep import layout, storage
 from raysweep.config import TrialConfig
 from raysweep.metrics import EAGER_FALLBACK, report_dict
 from raysweep.worker import compile_cache
 from raysweep.worker.device import release_trial_memory, setup_device
 from raysweep.worker.faults import FAULTS, TrialFailure
 from raysweep.worker.reduce import agree, broadcast_object, gather_strings
-from raysweep.worker.run import CHECKPOINT_FILE, KEPT_CHECKPOINTS, TrainingRun
+from raysweep.worker.run import TrainingRun
 from raysweep.worker.shard import Shard, rank_shards
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class SlotRank:
                                 wrap=ray.train.torch.prepare_model, shards=shards)
         run.nodes = self.me.nodes
         run_dir = assignment["run_dir"]
-        start_epoch = run.restore(load_latest(run_dir, self.me.device))
+        start_epoch = run.restore(load_latest(run_dir, self.me.device), layout.read_clock(run_dir))
         stamps = {"model_ready": time.time()}
         if fresh and assignment.get("slot_opened_at") is not None:  # the group was built for this trial
             stamps.update(slot_asked=assignment["slot_opened_at"], group_started=self.group_started,
@@ -190,6 +190,8 @@ class SlotRank:
                 else:
                     if due:
                         save_checkpoint(run_dir, epoch, run.state(epoch, payload))
+                    elif epoch is not None:  # a restart trains this epoch again: its seconds must not vanish
+                        layout.write_clock(run_dir, epoch, run.train_seconds)
                     go = self.ask(self.broker.report.remote(seq, payload, timeline if epoch is not None else None,
                                                             epoch is None), self.decision_wait_s)
                 if epoch is not None:
@@ -213,12 +215,16 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
     trained = False
     if run.last_report and not send(run.last_report, None):
         return trained, None
+    if run.last_report and run.stops_at_target:  # it had ended at its target: the re-sent report was its last
+        return trained, None
     try:
         run.fit_in_memory(proven)
         if on_probed is not None:
             on_probed()
         if run.rank == 0 and run.net.compile_s > 0:
             compile_cache.save_artifacts(cache)
+        if start_epoch == 1:
+            run.watch_start()
         epoch = start_epoch
         while epoch <= run.epochs:  # run.epochs: under a time budget, fixed by the end of warmup (resolve_epochs)
             payload = report_dict(run.epoch(epoch), run.worker_params())
@@ -232,8 +238,8 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
         return trained, failure
     return trained, None
 
-# raysweep's own checkpoints of a trial on a warm group, in the trial's folder: checkpoint_<epoch>/state.pt, the
-# newest KEPT_CHECKPOINTS kept
+# raysweep's own checkpoints of a trial on a warm group, in the trial's folder (layout.py names them): the newest
+# layout.KEPT_CHECKPOINTS kept
 
 
 def save_checkpoint(run_dir: str, epoch: int, state: dict) -> str:
@@ -242,10 +248,9 @@ def save_checkpoint(run_dir: str, epoch: int, state: dict) -> str:
 
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    location = storage.join(run_dir, f"checkpoint_{epoch:06d}", CHECKPOINT_FILE)
+    location = storage.join(run_dir, layout.checkpoint_name(epoch), layout.CHECKPOINT_FILE)
     storage.write_bytes(location, buffer.getvalue())
-    kept = [n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")]
-    for name in kept[:-KEPT_CHECKPOINTS]:
+    for name in layout.checkpoint_names(run_dir)[:-layout.KEPT_CHECKPOINTS]:
         storage.delete_dir(storage.join(run_dir, name))
     return location
 
@@ -255,9 +260,9 @@ def load_latest(run_dir: str, device: torch.device) -> dict | None:
     falls back to the one before it); None: none there, or none readable (the trial starts over)."""
     import io
 
-    names = sorted((n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")), reverse=True)
+    names = layout.checkpoint_names(run_dir)[::-1]
     for name in names:
-        location = storage.join(run_dir, name, CHECKPOINT_FILE)
+        location = storage.join(run_dir, name, layout.CHECKPOINT_FILE)
         try:
             data = storage.read_bytes(location)
             if data is None:
@@ -269,13 +274,6 @@ def load_latest(run_dir: str, device: torch.device) -> dict | None:
     if names:
         log.warning("no readable checkpoint under %s: the trial starts over", run_dir)
     return None
-
-
-def last_checkpoint_epoch(run_dir: str) -> int:
-    """The epoch of a trial's newest checkpoint folder (0: none), from its name alone."""
-    names = [n for n in storage.list_names(run_dir) if n.startswith("checkpoint_")]
-    return max((int(n.removeprefix("checkpoint_")) for n in names if n.removeprefix("checkpoint_").isdigit()),
-               default=0)
 
 
 def quiet_ray_train_logs() -> None:

@@ -18,14 +18,11 @@ from raysweep.worker.evaluate import evaluate
 from raysweep.worker.faults import TrialFailure
 from raysweep.worker.net import RankModel
 from raysweep.worker.probe_step import probe_step
-from raysweep.worker.reduce import reduce_metrics
+from raysweep.worker.reduce import all_reduce_named, reduce_metrics
 from raysweep.worker.shard import Shard, rank_shards
 from raysweep.worker.step import train_one_epoch
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FILE = "state.pt"
-KEPT_CHECKPOINTS = 2  # a trial's newest checkpoints kept: one torn by a kill or a full disk has a predecessor
 
 
 @dataclass
@@ -63,8 +60,12 @@ class TrainingRun:
         return cls(trial, net, scheduler, *shards, rank, epochs=trial.train.epochs,
                    resolved=trial.train.time_budget_s is None)
 
-    def restore(self, state: dict | None) -> int:
-        """Continue from a checkpoint's state (`entry.load_latest`) if there is one; returns the epoch to start at."""
+    def restore(self, state: dict | None, clock: tuple[int, float] = (0, 0.0)) -> int:
+        """Continue from a checkpoint's state (`entry.load_latest`) if there is one; returns the epoch to start at.
+        `clock`: (epoch, training seconds) the trial's latest epoch reached (layout.read_clock). Past the checkpoint
+        (train.checkpoint_every > 1), the epochs after it are trained again: their first run is time the restart
+        lost, so the clock goes on from where it had got to (those seconds, and the re-run's, each counted once)
+        and never runs backwards."""
         if state is None:
             return 1
         self.net.core.load_state_dict(state["model"])
@@ -74,6 +75,8 @@ class TrainingRun:
         self.samples_seen = state["samples_seen"]
         self.last_report = state.get("report")
         self.train_seconds = state.get("train_seconds", 0.0)
+        if clock[0] > state["epoch"]:
+            self.train_seconds = max(self.train_seconds, clock[1])
         self.epochs, self.resolved = state.get("epochs", self.epochs), state.get("resolved", self.resolved)
         self.target_point, self.to_target = state.get("target_point"), state.get("to_target")
         if self.rank == 0:
@@ -142,6 +145,25 @@ class TrainingRun:
         if self.resolved and self.rank == 0:
             log.info("time budget %.0f s: %.2f s an epoch at epoch %d → %d epochs (train.epochs %d)", budget, pace_s,
                      metrics.epoch, self.epochs, trial.train.epochs)
+
+    def watch_start(self) -> None:
+        """tune.target, before the first step: the untrained model's value of the target's metric, so that a target
+        reached in epoch 1 is interpolated from the start of training (0 s, 0 samples) like any other, and trials
+        that reach it in their first epoch are told apart. One evaluation on every rank (its seconds are start-up,
+        in no clock). train_loss reads the validation loss: an untrained model's loss on the training set has the
+        same expectation. A value already at the target: reached at 0."""
+        target = self.trial.target
+        if target is None or self.target_point is not None or self.to_target is not None:
+            return
+        val = evaluate(self.net.core, self.val, self.trial, self.net.precision)
+        s = all_reduce_named({"loss": val.loss_sum, "samples": val.samples, "exact": val.exact, "chars": val.chars,
+                              "char_total": val.char_total}, torch.distributed.ReduceOp.SUM, self.net.device)
+        n = max(s["samples"], 1)
+        value = {"val_loss": s["loss"] / n, "train_loss": s["loss"] / n, "val_exact_acc": s["exact"] / n,
+                 "val_char_acc": s["chars"] / max(s["char_total"], 1)}[target.metric]
+        self.target_point = (0.0, 0.0, 0.0, value)
+        if reached(value, target.value, target.mode):
+            self.to_target = (0.0, 0.0, 0.0)
 
     def watch_target(self, metrics: EpochMetrics) -> EpochMetrics:
         """tune.target: once an epoch reaches it, the time to it (metrics.to_target) goes with every report."""
