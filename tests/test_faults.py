@@ -352,6 +352,51 @@ def _serve(folder, port, log):
             time.sleep(0.5)
 
 
+@pytest.mark.timeout(240)
+def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_mlflow_retry_s(tmp_path):
+    """A server SIGSTOPped: the kernel still accepts its connections and nothing answers, so one MLflow call blocks
+    inside MLflow's own retries (a 120 s read timeout, several times). The writer checked retry_s only between
+    attempts and flush() was an unbounded join: Ctrl-C against such a server hung for many minutes. Now the write
+    gives up at retry_s (4 s here), the writes behind it are dropped, and flush raises why."""
+    from mlflow.tracking import MlflowClient
+
+    from raysweep.tracking.writer import Writer
+
+    port = _free_port()
+    with open(tmp_path / "server.log", "w") as log:
+        server = _serve(tmp_path, port, log)
+    try:
+        client = MlflowClient(f"http://127.0.0.1:{port}")
+        run_id = client.create_run(client.create_experiment("t")).info.run_id
+        writer = Writer("t", retry_s=4.0)
+        writer.put(lambda: client.log_metric(run_id, "m", 1.0, step=1))
+        writer.flush()  # a server that answers: the write lands
+        os.killpg(server.pid, signal.SIGSTOP)
+        for step in (2, 3, 4):
+            writer.put(lambda step=step: client.log_metric(run_id, "m", float(step), step=step))
+        raised, started = [], time.monotonic()
+
+        def flush():
+            try:
+                writer.flush()
+            except Exception as e:
+                raised.append(e)
+
+        flusher = threading.Thread(target=flush, daemon=True)
+        flusher.start()
+        flusher.join(timeout=90)
+        assert not flusher.is_alive(), "flush still waiting 90 s after the server stopped answering (retry_s 4 s)"
+        elapsed = time.monotonic() - started
+        assert raised and "did not answer a write in" in str(raised[0].__cause__), raised
+        assert elapsed < 30, elapsed
+        with pytest.raises(RuntimeError, match="MLflow write failed"):  # the writer stays stopped: no write past it
+            writer.put(lambda: None)
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_a_tracking_server_killed_and_back_a_minute_later_costs_the_sweep_nothing(ray_cluster, tmp_path, monkeypatch):

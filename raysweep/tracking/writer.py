@@ -15,9 +15,13 @@ class Writer:
 
     A write that fails is tried again, with backoff, for up to `retry_s` (mlflow.retry_s): a tracking server that
     restarts, a busy database. Writes must be safe to repeat (the callback's are: a run is looked up before it is
-    created, an epoch's metrics are checked against the store after a failed attempt). Past `retry_s` the writer
-    stops: the writes after it are dropped (they would land out of order) and the error is raised by the next `put`
-    or `flush`, so a store that stays down ends the sweep with its cause. `flush` waits for everything put so far."""
+    created, an epoch's metrics are checked against the store after a failed attempt). `retry_s` is a deadline for
+    the whole write, attempts included: one HTTP call to a server that stopped answering blocks inside MLflow's own
+    retries (MLFLOW_HTTP_REQUEST_TIMEOUT × MLFLOW_HTTP_REQUEST_MAX_RETRIES, many minutes), so each attempt runs on a
+    thread of its own and is given up at the deadline (left to finish or fail in the background). Past it the
+    writer stops: the writes after it are dropped (they would land out of order) and the error is raised by the
+    next `put` or `flush`, so a store that stays down ends the sweep with its cause. `flush` waits for everything
+    put so far, and ends: at most `retry_s` for a write in progress, then the dropped ones go at once."""
 
     def __init__(self, name: str, retry_s: float = 300.0):
         import queue
@@ -33,7 +37,16 @@ class Writer:
         self.queue.put(write)
 
     def flush(self) -> None:
-        self.queue.join()
+        """Wait until every write put so far is in the store, or the writer gave up (then raise why). Bounded: the
+        write in progress ends by its deadline, and after a failure the rest are dropped without a call."""
+        with self.queue.all_tasks_done:
+            deadline = time.monotonic() + self.retry_s + FLUSH_SLACK_S * (1 + self.queue.unfinished_tasks)
+            while self.queue.unfinished_tasks and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:  # a guard only: each write gives up at its own deadline
+                    raise RuntimeError(f"MLflow writes of {self.name} still not done {self.retry_s:.0f} s "
+                                       f"(mlflow.retry_s) after the flush began")
+                self.queue.all_tasks_done.wait(min(left, 1.0))
         self._raise()
 
     def _raise(self) -> None:
@@ -57,7 +70,7 @@ class Writer:
         deadline, delay = time.monotonic() + self.retry_s, RETRY_FIRST_S
         while True:
             try:
-                write()
+                _attempt(write, deadline - time.monotonic(), self.name)
                 return
             except Exception as e:
                 left = deadline - time.monotonic()
@@ -71,6 +84,34 @@ class Writer:
 
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 15.0  # a failed write's first wait, and the longest between two attempts
+FLUSH_SLACK_S = 5.0  # what flush allows beyond retry_s for each queued write's bookkeeping (never a store call)
+
+
+class StoreTimeout(TimeoutError):
+    """A write's attempt that was still waiting on the store at the write's deadline."""
+
+
+def _attempt(write, wait_s: float, name: str) -> None:
+    """One attempt at `write`, waited for at most `wait_s` (the write's deadline): on a daemon thread, so that a
+    call blocked on a silent server cannot hold the writer (or the driver's exit) past it."""
+    import threading
+
+    outcome: list = []
+
+    def run():
+        try:
+            write()
+            outcome.append(None)
+        except BaseException as e:  # handed to the writer's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name=f"mlflow-write {name}", daemon=True)
+    thread.start()
+    thread.join(max(wait_s, 0.0))
+    if not outcome:
+        raise StoreTimeout(f"the MLflow store did not answer a write in {max(wait_s, 0.0):.0f} s")
+    if outcome[0] is not None:
+        raise outcome[0]
 
 _WRITERS: dict[str, Writer] = {}  # this driver's writers, by parent run (the callback Tune restores finds its own)
 
