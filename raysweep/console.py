@@ -188,7 +188,7 @@ def print_waiting(line: str) -> None:
 
 def print_data(data, spec: DataConfig) -> None:
     """The data a sweep runs on (`data`: data.CaptchaData; `spec`: the spec's data section, for the image shape),
-    then each conversion or finding of reading it, once (data.notes; the sweep logs them too)."""
+    then each conversion or finding of reading it, once (CaptchaData.notes; the sweep logs them too)."""
     cached = [f.key for f in (data.facts.train, data.facts.val) if f is not None and f.from_cache] \
         if data.facts is not None else []
     reused = f" (decoded images of {' and '.join(cached)} from the cache)" if cached else ""
@@ -236,7 +236,7 @@ def print_batch_cap(cap: int, probed=None) -> None:
 
 
 def print_resumed(summary) -> None:
-    """`summary`: sweep.ResumeSummary, e.g. `resumed: 3 done, 1 running from epoch 4, 2 pending`."""
+    """`summary`: resume.ResumeSummary, e.g. `resumed: 3 done, 1 running from epoch 4, 2 pending`."""
     epochs = sorted({epoch for _, epoch in summary.running})
     running = f"{len(summary.running)} running" + (f" from epoch {', '.join(map(str, epochs))}" if epochs else "")
     print(f"resumed: {summary.done} done, {running}, {summary.pending} pending", flush=True)

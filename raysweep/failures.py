@@ -1,10 +1,15 @@
 """How a trial fails, as data: the kind travels typed from a rank through the broker to Tune and MLflow.
 
 A trial's own failures are final: `oom` (past the downshifts, or later in training), `diverged` (a non-finite
-loss or gradient norm), `error` (its step raised, its workers' restarts are spent). Everything else is the
+loss or gradient norm), `error` (its code raised, its workers' restarts are spent). Everything else is the
 infrastructure's (`infra`: a slot host or controller lost, a worker group that could not be set up, the broker
 lost, the store stalled): the trial continues from its checkpoint on a new group, within
 `train.max_infra_retries`, and `tune --resume` continues it again. MLflow tags each failed run `failure: KIND`.
+
+How the two are told apart: a failure is the trial's own only when its code says so, by an exception it raised
+(an OOM that torch raised, a loss the ranks agreed diverged, a Python error in its step). A process that died
+without raising (killed from outside: SIGKILL, the OOM killer, its node lost) proves nothing about the trial and
+is the infrastructure's, and so is a failure whose record cannot be read (`kind_of(None)`).
 
 No Ray, no MLflow here: the worker raises these, the driver reads them.
 """
@@ -45,21 +50,54 @@ class TrialFailure(Exception):
         return cls(d["kind"], d["message"])
 
 
+def wrapped(error: BaseException) -> BaseException | None:
+    """The exception `error` wraps: Ray's `cause` (a RayTaskError keeps what the task raised), Train V2's
+    `_base_exc` (UserExceptionWithTraceback: what a worker's code raised, ray/train/v2/_internal/util.py, which
+    sets no __cause__) and `health_check_failure` (WorkerHealthCheckFailedError: why a worker's poll failed), then
+    Python's __cause__ / __context__ (Tune re-raises what a callback raised)."""
+    for name in ("cause", "_base_exc", "health_check_failure"):
+        inner = getattr(error, name, None)
+        if isinstance(inner, BaseException):
+            return inner
+    return error.__cause__ or error.__context__
+
+
 def find_cause(error: BaseException | None, kind: type) -> BaseException | None:
-    """`error` or the first exception it wraps that is a `kind`: down Ray's `cause` (a RayTaskError keeps what the
-    task raised) and Python's __cause__ / __context__ (Tune re-raises what a callback raised). None: none is."""
+    """`error` or the first exception it wraps (`wrapped`, down the chain) that is a `kind`. None: none is."""
     for _ in range(10):
         if error is None or isinstance(error, kind):
             return error
-        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+        error = wrapped(error)
     return None
+
+
+# Ray's exceptions for a process or node that died without raising (ray.exceptions; Train V2's health check of a
+# worker that died, ray/train/v2/_internal/exceptions.py), matched by module and name: no Ray import here, and
+# torch.OutOfMemoryError (the trial's own) shares a name with Ray's memory monitor's kill
+PROCESS_DEATHS = frozenset({"RayActorError", "WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
+                            "LocalRayletDiedError", "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError"})
+
+
+def died(error: BaseException | None) -> bool:
+    """Whether `error`, or one it wraps, says a process or node died without raising (PROCESS_DEATHS)."""
+    for _ in range(10):
+        if error is None:
+            return False
+        if any(c.__module__.split(".")[0] == "ray" and c.__name__ in PROCESS_DEATHS for c in type(error).__mro__):
+            return True
+        error = wrapped(error)
+    return False
 
 
 def kind_of(error: BaseException | None) -> str:
     """The failure kind of an exception Tune kept for a trial (its pickled error: a RayTaskError whose cause is a
-    TrialFailure, or the TrialFailure itself); any other exception is the trial's own `error`."""
+    TrialFailure, or the TrialFailure itself): the TrialFailure's kind; `infra` where its process died without
+    raising (the trial actor killed: the OOM killer, a SIGKILL) or the error could not be read back (None); any
+    other exception, raised by the trial's code, is its own `error`."""
     failure = find_cause(error, TrialFailure)
-    return failure.kind if failure is not None else ERROR
+    if failure is not None:
+        return failure.kind
+    return INFRA if error is None or died(error) else ERROR
 
 
 def settled(status: str, tags: dict) -> dict | None | bool:
@@ -72,3 +110,16 @@ def settled(status: str, tags: dict) -> dict | None | bool:
     if outcome == FAILED and tags.get(TAG_FAILURE, ERROR) in OWN:
         return {"kind": tags.get(TAG_FAILURE, ERROR), "message": tags.get(TAG_ERROR, "failed")}
     return False
+
+
+_NOTED: dict[str, str] = {}  # this driver's errored trials' kinds, by Tune trial id (note_kind)
+
+
+def note_kind(trial_id: str, kind: str) -> None:
+    """The driver's MLflow callback, on a trial's error: its kind (kind_of its pickled error). Tune tells a searcher
+    only that a trial errored, and before its callbacks run; search.RungTPE reads the kind here at its next call."""
+    _NOTED[trial_id] = kind
+
+
+def noted_kind(trial_id: str) -> str | None:
+    return _NOTED.get(trial_id)

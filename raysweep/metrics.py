@@ -62,7 +62,7 @@ class WorkerParams:
     resolved_epochs: int  # the epochs the trial runs: train.epochs, or under train.time_budget_s what fills the budget
 
 
-# A trial's start-up, from Tune starting it to its first training step (sweep.run_trial, worker/entry.slot_worker):
+# A trial's start-up, from Tune starting it to its first training step (relay.run_trial, worker/entry.slot_worker):
 # wall-clock stamps taken in this order, each phase named by the stamp that ends it. On a warm group the group and
 # data phases take no time: their stamps are the moment the slot took the trial. Logged with the first epoch.
 STARTUP_PHASES = (

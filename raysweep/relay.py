@@ -45,6 +45,7 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     from ray.exceptions import GetTimeoutError, RayActorError
 
     from raysweep.failures import INFRA, TrialFailure
+    from raysweep.slots.broker import BROKER_STALL_S
 
     relay_started = time.time()
     trial_id = tune.get_context().get_trial_id()
@@ -61,8 +62,10 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     while True:
         try:
             failure = _relay(context, trial_id, trial, run_dir, relay_started, retries)
-        except (RayActorError, GetTimeoutError) as e:  # the broker is gone (or hung): no group can run the trial
+        except RayActorError as e:  # the broker is gone: no group can run the trial (the driver ends the sweep)
             raise TrialFailure(INFRA, f"the sweep's broker was lost ({type(e).__name__})") from None
+        except GetTimeoutError:  # alive, but silent past BROKER_STALL_S: an infrastructure failure like any other
+            failure = TrialFailure(INFRA, f"the sweep's broker did not answer in {BROKER_STALL_S:.0f} s")
         if failure is None:
             return
         if failure.final or retries >= trial.train.max_infra_retries:
@@ -77,18 +80,17 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
 def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_started: float, retries: int):
     """One attempt: submit the trial to the broker, relay its reports to Tune until it is done; returns how it
     failed (failures.TrialFailure) or None."""
-    import ray
     from ray import tune
 
     from raysweep.failures import TrialFailure
     from raysweep.slots import ASK_WAIT_S
 
     broker = context.broker
-    seq = ray.get(broker.submit.remote(trial_id, trial.to_dict(), run_dir, trial.train.max_failures,
-                                       context.decision_points, context.time_attr), timeout=POLL_ANSWER_S)
+    seq = _ask(lambda: broker.submit.remote(trial_id, trial.to_dict(), run_dir, trial.train.max_failures,
+                                            context.decision_points, context.time_attr), POLL_ANSWER_S, trial_id)
     since = 0
     while True:
-        out = ray.get(broker.poll.remote(trial_id, seq, since), timeout=ASK_WAIT_S + POLL_ANSWER_S)
+        out = _ask(lambda since=since: broker.poll.remote(trial_id, seq, since), ASK_WAIT_S + POLL_ANSWER_S, trial_id)
         for i, metrics in enumerate(out["reports"], start=since):
             if i == out["timeline_at"] and not retries:  # the first epoch: how long the trial took to start
                 metrics = {**metrics, STARTUP_STAMPS: json.dumps({**out["timeline"], "relay_started": relay_started})}
@@ -99,3 +101,24 @@ def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_star
         since += len(out["reports"])
         if out["done"]:
             return TrialFailure.from_dict(out["failure"]) if out["failure"] else None
+
+
+def _ask(call, wait_s: float, trial_id: str):
+    """The answer of `call()`, a call to the broker that may be repeated (a poll; a submit, whose repeat supersedes
+    the first), asked again each `wait_s` it goes unanswered until slots.broker.BROKER_STALL_S (then
+    GetTimeoutError). One slow answer failed the trial at once before, as `infra` outside train.max_infra_retries,
+    saying the broker was lost while it lived."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from raysweep.slots.broker import BROKER_STALL_S
+
+    deadline = time.monotonic() + BROKER_STALL_S
+    while True:
+        try:
+            return ray.get(call(), timeout=wait_s)
+        except GetTimeoutError:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("trial %s: the sweep's broker has not answered in %.0f s; asking again (for up to %.0f s)",
+                        trial_id, wait_s, BROKER_STALL_S)

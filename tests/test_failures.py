@@ -137,6 +137,35 @@ def test_a_failures_kind_travels_typed_through_pickling_and_rays_wrapper():
     assert settled("RUNNING", {}) is False
 
 
+def test_a_process_that_died_without_raising_is_the_infrastructures_and_what_the_trial_raised_its_own():
+    """Ray's own exception objects, as Tune and Train V2 hand them over: a trial actor or a worker whose process
+    died (killed from outside, its node lost) is `infra`; an unreadable error too; what the trial's code raised is
+    its own (`error`, or `oom` where torch ran out of memory), a peer's collective error beside a death a symptom."""
+    import cloudpickle
+    import torch
+    from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError, WorkerCrashedError
+    from ray.exceptions import OutOfMemoryError as RayOOM
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, WorkerHealthCheckFailedError
+
+    from raysweep.failures import kind_of
+    from raysweep.slots.actors import group_failure_kind
+
+    def as_tune_keeps(error):
+        return cloudpickle.loads(cloudpickle.dumps(error))
+
+    for death in (ActorDiedError(), WorkerCrashedError(), NodeDiedError("node lost"), RayOOM("memory monitor")):
+        assert kind_of(as_tune_keeps(death)) == "infra", type(death)
+    assert kind_of(None) == "infra"  # the trial's error file could not be read back
+    assert kind_of(as_tune_keeps(RayTaskError("run_trial", "tb", KeyError("x")).as_instanceof_cause())) == "error"
+    killed = WorkerHealthCheckFailedError("rank 1 died", failure=ActorDiedError())
+    peer = UserExceptionWithTraceback(RuntimeError("Connection closed by peer"), "tb")
+    raised = UserExceptionWithTraceback(ValueError("bad shape"), "tb")
+    oom = UserExceptionWithTraceback(torch.OutOfMemoryError("CUDA out of memory"), "tb")  # no __cause__: _base_exc
+    assert group_failure_kind([killed, peer]) == "infra"
+    assert group_failure_kind([raised, raised]) == "error"
+    assert group_failure_kind([oom, peer]) == "oom"
+
+
 @pytest.mark.ray
 def test_probe_finds_the_injected_limit_exactly(ray_cluster, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient

@@ -1,4 +1,4 @@
-"""The warm-group runtime under real faults (issue 28): a set-up that fails every time, a cluster whose CPUs another
+"""The warm-group runtime under real faults: a set-up that fails every time, a cluster whose CPUs another
 job holds, a slot host SIGKILLed mid-trial, the broker SIGKILLed (then --resume, with a pruned trial that must stay
 pruned). Real Ray (the session cluster), real MLflow on SQLite, real processes killed by pid."""
 
@@ -118,6 +118,69 @@ def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_t
     train = tmp_path / "results" / "t" / "train"
     _assert_twins(_final_weights(train, hit.data.tags["trial_id"]), _final_weights(train, twin.data.tags["trial_id"]),
                   "slot host killed")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(480)
+def test_a_broker_that_stops_answering_for_a_while_costs_the_trial_nothing(ray_cluster, tmp_path):
+    """The broker's process SIGSTOPped for 45 s mid-trial, then let go: alive, silent longer than one poll's 35 s.
+    One slow answer failed the trial at once as `infra`, outside train.max_infra_retries, saying the broker was lost;
+    now its relay asks again (for up to slots.broker.BROKER_STALL_S) and both trials finish, none retried."""
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+                     train={"epochs": 12, "reference_batch_size": 64, "max_infra_retries": 0},
+                     search={"per_gpu_batch_size": 16, "base_lr": 2.0e-3, "warmup_epochs": 0, "weight_decay": 1.0e-4},
+                     tune={"num_samples": 2, "asha": {"grace_period": 12, "max_t": 12}})
+    paused = []
+
+    def pause_the_broker():
+        broker = _wait_for(lambda: _actors("BrokerActor"), 240, "the broker")[0]
+        _wait_for(lambda: (runs := _children(tmp_path)) and len(_steps(tmp_path, runs[0])) >= 1, 240, "epoch 1")
+        os.kill(broker.pid, signal.SIGSTOP)  # the slot stops at its next report: the trial is mid-run
+        paused.append(len(_steps(tmp_path, _children(tmp_path)[0])))
+        try:
+            time.sleep(45)
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=pause_the_broker, daemon=True)
+    thread.start()
+    assert main(["tune", str(write_spec(tmp_path, spec))]) == 0
+    thread.join(timeout=60)
+    assert paused and paused[0] < 12, f"the broker was paused after the first trial's epoch {paused}, not mid-run"
+    runs = _children(tmp_path)
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"], [r.data.tags for r in runs]
+    assert not any("raysweep.infra_retries" in r.data.tags or "failure" in r.data.tags for r in runs)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(480)
+def test_a_trial_actor_killed_from_outside_is_an_infrastructure_failure_that_resume_runs_again(ray_cluster,
+                                                                                              tmp_path):
+    """Tune's trial actor (the relay) SIGKILLed, as the OOM killer would: its process died without raising, which
+    proves nothing about the trial. It was tagged `error`, the trial's own failure, which --resume never runs again;
+    now it is `infra`, and the store's record lets --resume continue it (failures.settled)."""
+    from raysweep.failures import settled
+
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+                     train={"epochs": 4, "reference_batch_size": 64},
+                     search={"per_gpu_batch_size": 16, "base_lr": 2.0e-3, "warmup_epochs": 0, "weight_decay": 1.0e-4},
+                     tune={"num_samples": 1, "asha": {"grace_period": 4, "max_t": 4}})
+    killed = []
+
+    def kill_the_trial_actor():
+        _wait_for(lambda: (runs := _children(tmp_path)) and len(_steps(tmp_path, runs[0])) >= 1, 240, "epoch 1")
+        actor = _wait_for(lambda: [a for a in _actors("ImplicitFunc")], 60, "the trial's actor")[0]
+        os.kill(actor.pid, signal.SIGKILL)
+        killed.append(actor.pid)
+
+    thread = threading.Thread(target=kill_the_trial_actor, daemon=True)
+    thread.start()
+    assert main(["tune", str(write_spec(tmp_path, spec))]) == 1  # no trial succeeded
+    thread.join(timeout=10)
+    assert killed, "the trial's actor was never killed"
+    (run,) = _children(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["failure"] == "infra", run.data.tags
+    assert settled(run.info.status, run.data.tags) is False  # --resume continues it
 
 
 def _tune_saw_running(experiment, trial_id) -> bool:

@@ -1,6 +1,10 @@
 """The package's rooms: no import cycle, each module holds what its name says (read from the source)."""
 
 import ast
+import importlib
+import io
+import re
+import tokenize
 from dataclasses import fields
 from pathlib import Path
 
@@ -199,3 +203,65 @@ def test_train_summary_is_printed_without_a_startup(capsys):
     print_train_summary(best, 12.0, phases)
     assert capsys.readouterr().out.strip().endswith(
         "started in 9.5s (driver 0.5 · wait 0.0 · group 7.0 · data 0.5 · model 0.5 · probe 1.0)")
+
+
+# what a docstring or comment may write that looks like `module.Name` and is no reference to a module: file names
+# (report.html, state.pt) and a spec's keys (data.charset, search.per_gpu_batch_size), checked against the spec
+FILE_SUFFIXES = {"py", "html", "yaml", "yml", "pt", "json", "png", "md", "txt", "db", "log", "sh", "npz", "toml",
+                 "csv", "svg", "jpg", "gz"}
+CITATION = re.compile(r"(?<![\w./])((?:[a-z_][a-z0-9_]*[./])*[a-z_][a-z0-9_]*)\.([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)*)")
+
+
+def _prose(path: Path):
+    """(line, text) of every comment and docstring in a file."""
+    source = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield node.body[0].lineno, doc
+
+
+def _resolves(module: str, chain: list[str]) -> bool:
+    """Whether raysweep.`module` has the attribute path `chain` (a submodule, a function, a class and its members;
+    a dataclass's or pydantic model's field counts)."""
+    obj = importlib.import_module(f"raysweep.{module}")
+    for name in chain:
+        if hasattr(obj, name):
+            obj = getattr(obj, name)
+        elif isinstance(obj, type) and (name in getattr(obj, "__annotations__", {})
+                                        or name in getattr(obj, "model_fields", {})):
+            return True
+        else:
+            try:
+                obj = importlib.import_module(f"{obj.__name__}.{name}")
+            except (ImportError, AttributeError):
+                return False
+    return True
+
+
+def test_every_module_name_a_docstring_or_comment_cites_resolves():
+    """`sweep.run_trial`, `tracking.make_mlflow_callback`, `sweep.ResumeSummary`: docstrings named functions that
+    had moved, and a reader following them found nothing. Every `module.Name` (or `worker/entry.Name`) in the
+    package's prose whose module is a raysweep module must resolve; a spec key (`data.charset`) must be a field of
+    its section."""
+    from raysweep.config import SweepConfig
+
+    modules = {_name(p) for p in PACKAGE.rglob("*.py")} - {""}
+    sections = {k: v.annotation for k, v in SweepConfig.model_fields.items() if hasattr(v.annotation, "model_fields")}
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for line, text in _prose(path):
+            for m in CITATION.finditer(text):
+                module, name = m.group(1).replace("/", ".").removeprefix("raysweep."), m.group(2)
+                chain = [name, *filter(None, m.group(3).split("."))]
+                if module not in modules or name in FILE_SUFFIXES:
+                    continue
+                if module in sections and name in sections[module].model_fields:
+                    continue  # a spec key
+                if not _resolves(module, chain):
+                    broken.append(f"{path.relative_to(ROOT)}:{line} {m.group(0)}")
+    assert not broken, "cited, but no such name:\n" + "\n".join(broken)

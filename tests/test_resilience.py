@@ -152,8 +152,10 @@ def test_worker_killed_mid_trial_restarts_from_its_checkpoint_and_ends_as_its_un
 
 @pytest.mark.ray
 def test_trial_whose_restarts_are_spent_ends_failed_with_the_cause(ray_cluster, tmp_path, capsys):
+    # a worker SIGKILLed died without raising: the infrastructure's failure (failures.py), so with its restarts and
+    # infra retries spent the trial fails as `infra`, which --resume continues (it was `error`, never run again)
     spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
-                     train={"epochs": 4, "reference_batch_size": 64, "max_failures": 0})
+                     train={"epochs": 4, "reference_batch_size": 64, "max_failures": 0, "max_infra_retries": 0})
     killed = []
     thread = _kill_a_worker_after_epoch(tmp_path, 1, killed)
     assert main(["train", str(write_spec(tmp_path, spec))]) == 1  # no trial succeeded
@@ -163,6 +165,7 @@ def test_trial_whose_restarts_are_spent_ends_failed_with_the_cause(ray_cluster, 
     assert run.info.status == "FAILED"
     error = run.data.tags["error"]
     assert error.startswith("worker died: a training worker process was killed or crashed"), error
+    assert run.data.tags["failure"] == "infra"
     assert _steps(tmp_path, run)[0] == 1  # the epochs before the crash stay recorded
 
 

@@ -45,7 +45,8 @@ class TrialConfig(Section):
     scaling: ScalingConfig
     image: ImageSpec
     train_size: PosInt = Field(description="training images in the whole set")
-    target: TargetConfig | None = Field(None, description="tune.target: the rank watches for it (TargetWatch)")
+    target: TargetConfig | None = Field(
+        None, description="tune.target: the ranks watch for it (worker/run.TrainingRun.watch_target)")
 
     @classmethod
     def from_dict(cls, d: dict) -> TrialConfig:

@@ -70,7 +70,7 @@ class CaptchaData:
     val: CaptchaArrays
     source: str  # where the images came from, for logs and MLflow
     # what reading the folders changed or found (a conversion, a resize, leakage), one line each: stated once on
-    # the console and logged with the sweep (data.notes)
+    # the console and logged with the sweep (describe.mlflow_params)
     notes: tuple[str, ...] = ()
     facts: DataFacts | None = field(default=None, compare=False)
 

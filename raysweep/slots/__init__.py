@@ -4,7 +4,7 @@ Ray Train builds a worker group from nothing for every `fit()`: placement group,
 process group (NCCL/gloo), the data on each device: 10-35 s before the first step, for epochs of a second or two.
 A sweep's trials all want the same group (the spec's `scaling`), so a slot's group lives for the whole sweep:
 
-    Tune trial (sweep.run_trial)  ── submit ──▶  Broker (broker.py, one async actor per sweep)
+    Tune trial (relay.run_trial)  ── submit ──▶  Broker (broker.py, one async actor per sweep)
         relays every epoch's report     ◀── report ──  slot's rank 0 (worker/entry.slot_worker)
         to Tune (ASHA decides)                         takes the next assignment, runs it, takes the next
 

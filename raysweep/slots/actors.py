@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from raysweep import layout
-from raysweep.failures import ERROR, OOM, find_cause
+from raysweep.failures import ERROR, INFRA, OOM, died, find_cause
 from raysweep.slots.broker import DECISION_WAIT_S, Broker, Slot
 from raysweep.slots.resources import group_resources, wait_for_resources
 
@@ -112,16 +112,27 @@ class BrokerActor(Broker):
         await asyncio.to_thread(remove_orphaned_groups)
 
 
+def group_failure_kind(errors: list[BaseException]) -> str:
+    """The kind of a worker group's failure from what its ranks raised (failures.py tells the two apart): `oom`
+    where torch ran out of memory on a rank; `infra` where a rank's process died without raising (its peers' errors,
+    a collective's lost connection, are the symptom); else `error`, raised by the trial's code."""
+    import torch
+
+    if any(find_cause(e, torch.OutOfMemoryError) for e in errors):
+        return OOM
+    if any(died(e) for e in errors):
+        return INFRA
+    return ERROR
+
+
 def _error_forwarder(broker, slot_id: int):
     """A Ray Train callback (it runs in the slot's controller) that hands the broker what the workers raised
     before the group restarts: the trial that uses up its restarts fails with it."""
     import ray.train
-    import torch
 
     class ErrorForwarder(ray.train.UserCallback):
         def after_exception(self, run_context, worker_exceptions):
             text = "\n".join(f"rank {rank}: {e}" for rank, e in sorted(worker_exceptions.items()))
-            oom = any(find_cause(e, torch.OutOfMemoryError) for e in worker_exceptions.values())
-            broker.group_error.remote(slot_id, text, OOM if oom else ERROR)
+            broker.group_error.remote(slot_id, text, group_failure_kind(list(worker_exceptions.values())))
 
     return ErrorForwarder()

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 ASK_WAIT_S = 5.0  # one long poll (a slot asking for work, a trial waiting for reports) waits at most this long
 DECISION_WAIT_S = 60.0  # the longest a slot waits for Tune's decision at a rung before it goes on anyway
 CLOSE_WAIT_S = 60.0  # at the end of a sweep, how long retiring slots may take to leave before they are killed
+# how long a caller asks a broker that is alive but does not answer (its loop held up: a stalled GCS call, a paused
+# process) before it gives up: calls that may be repeated (a poll, a slot's ask for work) are asked again until then
+BROKER_STALL_S = 300.0
 
 
 def scaling_key(trial: dict) -> str:
@@ -60,6 +63,7 @@ class Assignment:
     slot: int | None = None
     started: bool = False  # a slot's rank 0 has taken it
     restarts: int = 0
+    group: str | None = None  # the worker group that last took it (a restart is a new group; an ask repeated is not)
     reports: list = field(default_factory=list)  # every epoch's metrics dict, in order
     timeline: dict = field(default_factory=dict)  # the start-up stamps of its first start (metrics.startup_phases)
     timeline_at: int = -1  # the report that came with them
@@ -67,7 +71,7 @@ class Assignment:
     failure: dict | None = None  # how it failed (failures.TrialFailure.as_dict): agreed by its ranks, or the broker's
     cancelled: bool = False  # the driver ended the trial (ASHA, an error): stop at the next epoch's end
     last_error: str | None = None  # the workers' error behind the last restart of its group
-    last_error_kind: str = ERROR  # its kind: oom where a rank ran out of memory, else error
+    last_error_kind: str = ERROR  # its kind (actors.group_failure_kind): the trial's failure once restarts are spent
 
 
 @dataclass
@@ -106,7 +110,7 @@ class Broker:
         self.closing = False
         self.tasks: set = set()  # the slots' watchers (a task with no reference may be collected mid-run)
 
-    # -- the trial side (sweep.run_trial, in Tune's trial actor; the driver's callback)
+    # -- the trial side (relay.run_trial, in Tune's trial actor; the driver's callback)
 
     async def submit(self, trial_id: str, trial: dict, run_dir: str, max_failures: int,
                      decision_points: tuple[float, ...] = (), time_attr: str = "epoch") -> int:
@@ -154,10 +158,12 @@ class Broker:
 
     # -- the slot side (rank 0 of each slot's group; the controller's callback)
 
-    async def next_assignment(self, slot_id: int, after: int | None) -> dict | None:
+    async def next_assignment(self, slot_id: int, after: int | None, group: str | None = None) -> dict | None:
         """What the slot's group runs next: an assignment dict, {"retire": True} (leave: fit() returns), or None
         (nothing yet: ask again). `after`: the last assignment this group took; None from a group that just
-        started, which resumes the trial its slot was running when a worker died."""
+        started, which resumes the trial its slot was running when a worker died. `group`: the asking group's own
+        token: the same group asking again (its first answer was slow to come) is not a restart (None: every
+        ask with `after` None is a new group's)."""
         deadline = time.monotonic() + ASK_WAIT_S
         slot = self.slots.get(slot_id)
         if slot is not None and after is None:  # its group (as last started) got through its set-up
@@ -173,8 +179,8 @@ class Broker:
                     self._finish(a)
                     await self._changed()
                     continue
-                if a.started and after is None:  # a restarted group: the trial resumes, if it may
-                    a.restarts += 1
+                if a.started and after is None and (group is None or group != a.group):  # a restarted group
+                    a.restarts += 1  # the trial resumes on it, if it may
                     if a.restarts > a.max_failures:
                         self._finish(a, failure={"kind": a.last_error_kind, "message": (
                             f"worker group restarted {a.restarts - 1} times (train.max_failures {a.max_failures}); "
@@ -185,7 +191,7 @@ class Broker:
                     first_on_slot = slot.trials_taken == 0
                     if not a.started:
                         slot.trials_taken += 1
-                    a.started = True
+                    a.started, a.group = True, group
                     return {"seq": a.seq, "trial_id": a.trial_id, "trial": a.trial, "run_dir": a.run_dir,
                             "slot_opened_at": slot.opened_at if first_on_slot else None}
             left = deadline - time.monotonic()
@@ -240,7 +246,7 @@ class Broker:
         return held() and not a.cancelled and not a.done
 
     async def recorded(self, trial_id: str, epoch: int) -> None:
-        """The driver's MLflow writer holds the trial's epochs through `epoch` (tracking.make_mlflow_callback)."""
+        """The driver's MLflow writer holds the trial's epochs through `epoch` (callbacks.MLflowEvents)."""
         if epoch > self.stored.get(trial_id, 0):
             self.stored[trial_id] = epoch
             await self._changed()
@@ -268,7 +274,8 @@ class Broker:
 
     async def group_error(self, slot_id: int, text: str, kind: str = ERROR) -> None:
         """What the slot's workers raised (Ray Train's controller saw it; it restarts the group next). `kind`: oom
-        where a rank ran out of memory. Before the group's rank 0 asked for work it is a set-up failure: past
+        where a rank ran out of memory, infra where a rank's process died without raising, else error
+        (actors.group_failure_kind). Before the group's rank 0 asked for work it is a set-up failure: past
         the slot's `max_setup_failures` in a row, the slot ends."""
         slot = self.slots.get(slot_id)
         if slot is None or slot.ended:

@@ -57,7 +57,7 @@ def spec_of(tracking_uri: str, run_id: str) -> str | None:
 
 
 def resumed_parent(tracking_uri: str, parent_run_id: str) -> str:
-    """Take a sweep's parent run over for `--resume` (checked before by sweep.check_resume): RUNNING again, with
+    """Take a sweep's parent run over for `--resume` (checked before by resume.check_resume): RUNNING again, with
     this driver's address and heartbeat. Returns its experiment id."""
     from mlflow.tracking import MlflowClient
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,7 @@ class SlotRank:
         self.store_wait_s = config["store_wait_s"]  # mlflow.retry_s: how long the store may blink
         self.cache = config.get("compile_cache")
         self.me, self.group_started = me, group_started
+        self.group = uuid.uuid4().hex  # this group's token: the broker counts a restart once per group
         self.shards: dict[int, tuple[Shard, Shard]] = {}  # by number of classes: on the device once per group
         # the largest micro-batch a trial has trained in this group: later ones that fit skip the OOM probe
         self.proven = 0
@@ -112,17 +114,31 @@ class SlotRank:
 
             self.broker.group_placement.remote(self.slot, get_current_placement_group())
 
-    def ask(self, ref, wait_s: float = 0.0):
-        """Rank 0: the answer of a call to the broker. Every call has a deadline: a broker that is gone raises at
-        once (ActorDiedError), one that no longer answers raises here, and either way this group ends instead of
-        waiting forever."""
+    def ask(self, call, wait_s: float = 0.0, again: bool = False):
+        """Rank 0: the answer of `call()`, a call to the broker. Every call has a deadline: a broker that is gone
+        raises at once (ActorDiedError); one that has not answered in BROKER_ANSWER_S + `wait_s` is asked again
+        where the call may be repeated (`again`: an ask for work, a finish, a wait for the store), until
+        slots.broker.BROKER_STALL_S, and raises then; either way this group ends instead of waiting forever. One
+        slow answer crashed the group before, and counted a restart against the trial's train.max_failures."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        return ray.get(ref, timeout=BROKER_ANSWER_S + wait_s)
+        from raysweep.slots.broker import BROKER_STALL_S
+
+        deadline = time.monotonic() + BROKER_STALL_S
+        while True:
+            try:
+                return ray.get(call(), timeout=BROKER_ANSWER_S + wait_s)
+            except GetTimeoutError:
+                if not again or time.monotonic() > deadline:
+                    raise
+                log.warning("slot %d: the sweep's broker has not answered in %.0f s; asking again (for up to %.0f s)",
+                            self.slot, BROKER_ANSWER_S + wait_s, BROKER_STALL_S)
 
     def next_assignment(self, after: int | None) -> dict | None:
         """Every rank: what the group runs next (slots.Broker.next_assignment), as rank 0 heard it."""
-        answer = self.ask(self.broker.next_assignment.remote(self.slot, after)) if self.me.rank == 0 else None
+        answer = (self.ask(lambda: self.broker.next_assignment.remote(self.slot, after, self.group), again=True)
+                  if self.me.rank == 0 else None)
         return broadcast_object(answer, self.me.device)
 
     def run_trial(self, assignment: dict, fresh: bool) -> None:
@@ -132,7 +148,7 @@ class SlotRank:
         # the next trial starts as on a fresh group (no cycle keeps this one's model)
         release_trial_memory(self.me.device)
         if self.me.rank == 0:
-            self.ask(self.broker.finish.remote(assignment["seq"], outcome))
+            self.ask(lambda: self.broker.finish.remote(assignment["seq"], outcome), again=True)
 
     def _train(self, assignment: dict, fresh: bool) -> dict | None:
         """Build the trial, restore it from its folder's checkpoint, train it; returns how it failed (None: it did
@@ -184,16 +200,16 @@ class SlotRank:
             if self.me.rank == 0:
                 # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
                 # at once (MLflow wrote the last epoch while this one trained)
-                if due and not self.ask(self.broker.recorded_through.remote(seq, epoch - 1, self.store_wait_s),
-                                        self.store_wait_s):
+                if due and not self.ask(lambda: self.broker.recorded_through.remote(seq, epoch - 1, self.store_wait_s),
+                                        self.store_wait_s, again=True):
                     go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
                 else:
                     if due:
                         save_checkpoint(run_dir, epoch, run.state(epoch, payload))
                     elif epoch is not None:  # a restart trains this epoch again: its seconds must not vanish
                         layout.write_clock(run_dir, epoch, run.train_seconds)
-                    go = self.ask(self.broker.report.remote(seq, payload, timeline if epoch is not None else None,
-                                                            epoch is None), self.decision_wait_s)
+                    go = self.ask(lambda: self.broker.report.remote(  # not repeated: a report is appended
+                        seq, payload, timeline if epoch is not None else None, epoch is None), self.decision_wait_s)
                 if epoch is not None:
                     timeline = None
             return agree(go, self.me.device)
