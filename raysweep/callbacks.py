@@ -150,10 +150,11 @@ class MLflowEvents(Callback):
         self._put(self.runs.end, *self._run_of(trial), *run_ending(view.status, view.epoch))
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        from raysweep.failures import kind_of
+        from raysweep.failures import kind_of, note_kind
 
         view = TrialView.of_trial(trial, self.horizon, ended="error")
         kind = kind_of(_pickled_error(trial))  # typed, as the relay raised it (failures.TrialFailure)
+        note_kind(trial.trial_id, kind)  # for the searcher (search.RungTPE), which Tune told only "errored"
         self._put(self.runs.end, *self._run_of(trial), *run_ending(view.status, view.epoch, kind, view.error))
 
 

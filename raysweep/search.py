@@ -11,7 +11,20 @@ ASHA saw instead:
   at that budget (step: the rung in epochs, or in whole training seconds);
 - a trial that ended (metrics.Horizon.outcome, the sweep's one rule) finished is COMPLETE with its last value; one
   ASHA cut is PRUNED (Optuna then takes its last rung value, and TPE ranks pruned trials after the complete ones,
-  those cut later first: optuna/samplers/_tpe/sampler.py, `_split_pruned_trials`); a failed one is FAIL.
+  those cut later first: optuna/samplers/_tpe/sampler.py, `_split_pruned_trials`);
+- with tune.target, the value is what the sweep ranks by (metrics.rank_key): the time to the target for a trial
+  that reached it, and for one that did not a value past every reached one (UNREACHED), ordered by tune.metric;
+  the study minimises it. A trial stopped at its target was COMPLETE with an early value of tune.metric, and TPE
+  steered away from the trials the report ranks best;
+- a failed trial is told by its kind (failures.py, which the driver's MLflow callback reads from the trial's error
+  and notes: Tune tells a searcher only that a trial errored, before its callbacks run, so the searcher settles
+  failures at its next call): one that diverged or ran out of memory is COMPLETE with a value worse than any seen
+  (`inf`), so TPE's model draws fewer of its learning rates and batches (FAIL, which TPE ignores, let it propose
+  them again); one that failed for the infrastructure is not told at all: its Optuna trial stays RUNNING, and
+  when `tune --resume` continues it, its real result is told; an `error` (its code raised) is FAIL.
+
+RungTPE limits the trials in flight itself (`set_max_concurrency`): Tune's ConcurrencyLimiter forgets a trial once
+it errors and forwards nothing of it again, so a trial --resume continued never reached the study.
 
 Its study lives in memory and Tune saves it with the experiment (`save_to_dir`, beside Tune's own state, on
 storage_path): `tune --resume` restores it with the trials, so the study goes on where the sweep's state does.
@@ -28,6 +41,7 @@ from typing import Any
 from ray.tune.search.optuna import OptunaSearch
 
 from raysweep.errors import UserError
+from raysweep.failures import DIVERGED, INFRA, OOM, noted_kind
 from raysweep.metrics import FAILED, FINISHED, PRUNED, Horizon
 
 log = logging.getLogger(__name__)
@@ -63,7 +77,8 @@ def searcher(config, trials_at_once: int, rungs: tuple[float, ...]):
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(seed=t.seed, n_startup_trials=startup_trials(t.num_samples),
                                                  multivariate=True, constant_liar=trials_at_once > 1)
-        search = RungTPE(tpe_space(searched), config.horizon, rungs, metric=t.metric, mode=t.mode,
+        search = RungTPE(tpe_space(searched), config.horizon, rungs, target=t.target, metric=t.metric,
+                         mode="min" if t.target is not None else t.mode, sweep_mode=t.mode,
                          points_to_evaluate=baseline, sampler=sampler)
         fixed = {k: v for k, v in defaults.items() if k not in searched}
         return search, fixed
@@ -119,13 +134,24 @@ def tpe_space(searched: dict[str, Any]) -> dict[str, Any]:
     return space  # never empty: config.SweepConfig.sweep_problem refuses tpe without a searched knob
 
 
-class RungTPE(OptunaSearch):
-    """OptunaSearch that tells Optuna what ASHA saw (the module's docstring): intermediate values at the rungs, and
-    a trial's end as finished, pruned or failed by the sweep's rule."""
+UNREACHED = 1e12  # with tune.target: a trial that did not reach it counts as this plus its metric (past every time)
+WORST = float("inf")  # a trial that diverged or ran out of memory: worse than any value (TPE orders, never adds)
 
-    def __init__(self, space: dict, horizon: Horizon, rungs: tuple[float, ...], **kwargs):
+
+class RungTPE(OptunaSearch):
+    """OptunaSearch that tells Optuna what ASHA saw (the module's docstring): intermediate values at the rungs, a
+    trial's end as finished, pruned or failed by the sweep's rule, what the sweep ranks by, and failures by kind."""
+
+    def __init__(self, space: dict, horizon: Horizon, rungs: tuple[float, ...], target=None, sweep_mode: str = "min",
+                 **kwargs):
+        """`target`: tune.target (config.TargetConfig) or None; `sweep_mode`: tune.mode (the study's own direction
+        is min under a target)."""
         self._horizon, self._rungs = horizon, tuple(sorted(rungs))
+        self._target, self._sweep_mode = target, sweep_mode
         self._reported: dict[str, set[float]] = {}  # trial id → the rungs told
+        self._live: set[str] = set()  # suggested (or resumed) and not ended: the trials in flight
+        self._errored: dict[str, dict | None] = {}  # errored, kind not yet noted: trial id → its last result
+        self._max_concurrent = 0  # 0: no limit
         super().__init__(space=space, **kwargs)
 
     @property
@@ -136,45 +162,99 @@ class RungTPE(OptunaSearch):
     def numbers(self) -> dict[str, int]:
         return {trial_id: ot_trial.number for trial_id, ot_trial in self._ot_trials.items()}
 
+    def set_max_concurrency(self, max_concurrent: int) -> bool:
+        """Tune's ConcurrencyLimiter asks: this searcher limits itself (suggest), so the limiter forwards every
+        trial's results and end, a resumed one's too."""
+        self._max_concurrent = max_concurrent
+        return True
+
     def rung_step(self, rung: float) -> int:
         """Optuna's step for a rung: the epoch, or (ASHA in seconds) the whole training second."""
         return int(round(rung))
 
+    def objective(self, result: dict) -> float | None:
+        """What the study minimises or maximises for a result: tune.metric's value, or under tune.target the
+        sweep's rank (time to the target; UNREACHED plus the metric, signed to minimise, when not reached).
+        None: no usable value."""
+        value = result.get(self.metric)
+        if self._target is not None and result.get("time_to_target_s") is not None:
+            return float(result["time_to_target_s"])
+        if value is None or not math.isfinite(float(value)):
+            return None
+        if self._target is not None:
+            return UNREACHED + (-float(value) if self._sweep_mode == "max" else float(value))
+        return float(value)
+
+    def suggest(self, trial_id: str):
+        self._settle()
+        if self._max_concurrent and len(self._live) >= self._max_concurrent:
+            return None  # as ConcurrencyLimiter would: Tune asks again when a trial ends
+        suggestion = super().suggest(trial_id)
+        if suggestion is not None:
+            self._live.add(trial_id)
+        return suggestion
+
     def _tell_rungs(self, trial_id: str, result: dict) -> None:
-        """The metric at every rung this result is the first report at or past (ASHA records it there)."""
-        value, clock = result.get(self.metric), result.get(self._horizon.time_attr)
-        if value is None or clock is None:
+        """The objective at every rung this result is the first report at or past (ASHA records it there)."""
+        value, clock = self.objective(result), result.get(self._horizon.time_attr)
+        if clock is None:
             return
         told = self._reported.setdefault(trial_id, set())
         ot_trial = self._ot_trials[trial_id]
         for rung in self._rungs:
             if rung <= float(clock) and rung not in told:
                 told.add(rung)
-                if math.isfinite(float(value)):
-                    ot_trial.report(float(value), self.rung_step(rung))
+                if value is not None:
+                    ot_trial.report(value, self.rung_step(rung))
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
+        self._settle()
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:
             return
+        self._live.add(trial_id)  # a trial --resume continued is in flight again
         self._tell_rungs(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         from optuna.trial import TrialState
 
+        self._settle()
+        self._live.discard(trial_id)
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:
             return  # told already (a settled trial reported again on --resume), or never asked of this study
         if result:
             self._tell_rungs(trial_id, result)  # ASHA's stopping report never reaches on_trial_result
-        outcome = self._horizon.outcome(result or {}, error) if result or error else FAILED
-        value = (result or {}).get(self.metric)
+        if error:  # its kind is noted by the driver's callback right after this call: told at the next call
+            self._errored[trial_id] = result
+            return
+        outcome = self._horizon.outcome(result or {}, False) if result else FAILED
+        value = self.objective(result or {})
         ot_trial = self._ot_trials[trial_id]
-        if outcome == FINISHED and value is not None and math.isfinite(float(value)):
-            self._ot_study.tell(ot_trial, float(value))
+        if outcome == FINISHED and value is not None:
+            self._ot_study.tell(ot_trial, value)
         elif outcome == PRUNED:
             self._ot_study.tell(ot_trial, state=TrialState.PRUNED)
-        else:  # failed, or ended without a usable value
+        else:  # ended without a usable value
             self._ot_study.tell(ot_trial, state=TrialState.FAIL)
         self._completed_trials.add(trial_id)
+
+    def _settle(self) -> None:
+        """Tell the errored trials whose kind the driver has noted (failures.note_kind): diverged and oom as WORST,
+        infra not at all (it may be continued: its Optuna trial stays RUNNING), error as FAIL."""
+        from optuna.trial import TrialState
+
+        for trial_id in list(self._errored):
+            kind = noted_kind(trial_id)
+            if kind is None:
+                continue
+            del self._errored[trial_id]
+            if kind == INFRA:
+                continue
+            ot_trial = self._ot_trials[trial_id]
+            if kind in (DIVERGED, OOM):
+                self._ot_study.tell(ot_trial, WORST)
+            else:
+                self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+            self._completed_trials.add(trial_id)
 
 
 def restored(experiment_path: str) -> RungTPE:

@@ -299,8 +299,9 @@ def _tuner(sweep: Sweep, resume: bool):
     else:  # the spec's defaults run first: a known baseline every sweep can be compared against
         search_alg, param_space = searcher(config, sweep.plan.trials_at_once, sweep.asha.rungs)
         print_search(describe(config))
-    # Tune wraps a Searcher (tpe) in its ConcurrencyLimiter for max_concurrent_trials but ignores it for a
-    # BasicVariantGenerator (random), which limits itself (search.searcher)
+    # Tune wraps a Searcher (tpe) in its ConcurrencyLimiter for max_concurrent_trials, which hands the limit to
+    # search.RungTPE (it limits itself); Tune ignores it for a BasicVariantGenerator (random), limited in
+    # search.searcher
     limit = None if isinstance(search_alg, BasicVariantGenerator) else sweep.plan.trials_at_once
     return tune.Tuner(
         trainable, param_space=param_space,

@@ -40,6 +40,8 @@ def test_a_trial_asha_cut_reaches_optuna_pruned_with_its_rung_values_at_their_bu
     from optuna.trial import TrialState
     from ray.tune.search.optuna import OptunaSearch
 
+    from raysweep.failures import note_kind
+
     search = _tpe("train_seconds", 30.0, (5.0, 10.0, 20.0))
     for trial_id in ("cut", "ran", "broke"):
         search.suggest(trial_id)
@@ -53,6 +55,7 @@ def test_a_trial_asha_cut_reaches_optuna_pruned_with_its_rung_values_at_their_bu
     search.on_trial_complete("ran", {"train_seconds": 30.5, "val_loss": 0.7})
     search.on_trial_result("broke", {"train_seconds": 6.0, "val_loss": 1.9})
     search.on_trial_complete("broke", error=True)
+    note_kind("broke", "error")  # what the driver's MLflow callback does right after (its code raised)
     search.on_trial_complete("cut", {"train_seconds": 12.0, "val_loss": 1.2})  # told again (a resume): no change
 
     cut, ran, broke = (search.study.trials[search.numbers[t]] for t in ("cut", "ran", "broke"))
@@ -68,6 +71,68 @@ def test_a_trial_asha_cut_reaches_optuna_pruned_with_its_rung_values_at_their_bu
     plain.suggest("cut")
     plain.on_trial_complete("cut", {"train_seconds": 12.0, "val_loss": 1.2})
     assert plain._ot_study.trials[0].state == TrialState.COMPLETE  # upstream: a cut trial is a complete one
+
+
+def test_failures_are_told_by_kind_and_one_resume_continues_reaches_the_study_through_tunes_limiter():
+    """Through Tune's own ConcurrencyLimiter (one trial at a time), as a sweep runs it: a trial that diverged or ran
+    out of memory is COMPLETE with a value worse than any (TPE draws fewer like it; FAIL, which TPE ignores, let it
+    propose them again), one whose code raised is FAIL, and one that failed for the infrastructure is left RUNNING:
+    when --resume continues it, its real end reaches the study (the limiter had forgotten it, and the searcher had
+    closed it as FAIL)."""
+    from optuna.trial import TrialState
+    from ray.tune.search import ConcurrencyLimiter
+
+    from raysweep.failures import note_kind
+
+    search = _tpe("epoch", 4, (2.0,))
+    limited = ConcurrencyLimiter(search, max_concurrent=1)
+    ids = ("kind-nan", "kind-oom", "kind-bug", "kind-lost", "kind-ok")
+    for trial_id, kind in zip(ids, ("diverged", "oom", "error", "infra", None), strict=True):
+        assert limited.suggest(trial_id) is not None
+        assert limited.suggest("kind-waits") is None  # one at a time
+        limited.on_trial_result(trial_id, {"epoch": 2, "val_loss": 0.5})
+        if kind is None:
+            limited.on_trial_complete(trial_id, {"epoch": 4, "val_loss": 0.4})
+        else:
+            limited.on_trial_complete(trial_id, error=True)  # Tune tells the searcher first,
+            note_kind(trial_id, kind)  # then its callbacks run (callbacks.MLflowEvents notes the kind)
+    limited.suggest("kind-next")  # the searcher's next call settles what was noted
+    state = {t: search.study.trials[search.numbers[t]] for t in ids}
+    assert state["kind-nan"].state == TrialState.COMPLETE and state["kind-nan"].value == math.inf
+    assert state["kind-oom"].state == TrialState.COMPLETE and state["kind-oom"].value == math.inf
+    assert state["kind-bug"].state == TrialState.FAIL
+    assert state["kind-lost"].state == TrialState.RUNNING
+    # --resume continues the lost trial: its reports and end reach the study through the limiter
+    limited.on_trial_result("kind-lost", {"epoch": 3, "val_loss": 0.35})
+    limited.on_trial_complete("kind-lost", {"epoch": 4, "val_loss": 0.3})
+    lost = search.study.trials[search.numbers["kind-lost"]]
+    assert lost.state == TrialState.COMPLETE and lost.value == 0.3
+
+
+def test_with_a_target_the_study_minimises_what_the_sweep_ranks_by():
+    """tune.target val_exact_acc ≥ 0.5 (a max metric): a trial that reached it is told its time to it (a trial
+    stopped there was COMPLETE with its accuracy at that epoch, below full-length trials', and TPE steered away
+    from the fastest); one that did not is worse than every one that did, ordered by its accuracy."""
+    import optuna
+
+    from raysweep.config import TargetConfig
+    from raysweep.metrics import Horizon
+    from raysweep.search import UNREACHED, RungTPE
+
+    space = {"base_lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
+    search = RungTPE(space, Horizon("epoch", 6, stop_at_target=True), (2.0,),
+                     target=TargetConfig(metric="val_exact_acc", value=0.5, stop=True), metric="val_exact_acc",
+                     mode="min", sweep_mode="max", sampler=optuna.samplers.TPESampler(seed=0))
+    results = {"fast": {"epoch": 3, "val_exact_acc": 0.55, "time_to_target_s": 20.0},
+               "slow": {"epoch": 5, "val_exact_acc": 0.6, "time_to_target_s": 40.0},
+               "never": {"epoch": 6, "val_exact_acc": 0.45}, "worse": {"epoch": 6, "val_exact_acc": 0.3}}
+    for trial_id, result in results.items():
+        search.suggest(trial_id)
+        search.on_trial_complete(trial_id, result)
+    values = {t: search.study.trials[search.numbers[t]].value for t in results}
+    assert search.study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert values == {"fast": 20.0, "slow": 40.0, "never": UNREACHED - 0.45, "worse": UNREACHED - 0.3}
+    assert search.study.best_trial.number == search.numbers["fast"]
 
 
 def test_in_epochs_a_trial_is_told_at_each_rung_it_crossed_and_finishes_at_its_own_last_epoch():
