@@ -16,38 +16,81 @@ No Ray, no MLflow here: the worker raises these, the driver reads them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from enum import StrEnum
+
 from raysweep.metrics import FAILED, FINISHED, PRUNED, TAG_ERROR, TAG_FAILURE, outcome_of_run
 
-OOM, DIVERGED, ERROR, INFRA = "oom", "diverged", "error", "infra"
-OWN = (OOM, DIVERGED, ERROR)  # the trial's own: final (never retried, never resumed)
-KINDS = (*OWN, INFRA)
+
+class Kind(StrEnum):
+    """A failure's kind. Its value is the MLflow tag `failure` (a str: it compares equal to "oom", ...)."""
+
+    OOM = "oom"
+    DIVERGED = "diverged"
+    ERROR = "error"
+    INFRA = "infra"
+
+    @property
+    def own(self) -> bool:
+        """The trial's own: final (never retried, never resumed)."""
+        return self is not Kind.INFRA
+
+
+OOM, DIVERGED, ERROR, INFRA = Kind.OOM, Kind.DIVERGED, Kind.ERROR, Kind.INFRA
+OWN = (OOM, DIVERGED, ERROR)
+KINDS = tuple(Kind)
+
+
+def to_kind(value: str) -> Kind:
+    """A kind from its name (a tag, a message), or ValueError naming the kinds there are."""
+    try:
+        return Kind(value)
+    except ValueError:
+        raise ValueError(f"failure kind {value!r} is not one of {tuple(k.value for k in Kind)}") from None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How a trial failed: the one record from the rank that saw it, through the broker and the relay, to the
+    store's tags (metrics.run_ending) and back (settled)."""
+
+    kind: Kind
+    message: str  # one line
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", to_kind(self.kind))
+
+    @property
+    def final(self) -> bool:
+        """The trial's own failure: it is not tried again, in this sweep or by --resume."""
+        return self.kind.own
+
+    def raised(self) -> TrialFailure:
+        return TrialFailure(self.kind, self.message)
 
 
 class TrialFailure(Exception):
-    """A trial's failure of a known kind (KINDS) with a one-line message. Raised on the ranks (agreed by all of
-    them), handed to the broker as `as_dict()`, raised again by the trial's relay for Tune (which pickles it: the
-    MLflow callback reads the kind back from it, `kind_of`)."""
+    """A Failure raised: on the ranks (agreed by all of them; `.failure` goes to the broker), and again by the
+    trial's relay for Tune (which pickles it: the MLflow callback reads the kind back from it, `kind_of`)."""
 
-    def __init__(self, kind: str, message: str):
-        if kind not in KINDS:
-            raise ValueError(f"failure kind {kind!r} is not one of {KINDS}")
+    def __init__(self, kind: Kind | str, message: str):
+        self.failure = Failure(kind, message)
         super().__init__(message)
-        self.kind, self.message = kind, message
 
     def __reduce__(self):  # Exception pickles its args (message alone): keep the kind across Ray and Tune
         return type(self), (self.kind, self.message)
 
     @property
+    def kind(self) -> Kind:
+        return self.failure.kind
+
+    @property
+    def message(self) -> str:
+        return self.failure.message
+
+    @property
     def final(self) -> bool:
-        """The trial's own failure: it is not tried again, in this sweep or by --resume."""
-        return self.kind in OWN
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind, "message": self.message}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrialFailure:
-        return cls(d["kind"], d["message"])
+        return self.failure.final
 
 
 def wrapped(error: BaseException) -> BaseException | None:
@@ -100,16 +143,24 @@ def kind_of(error: BaseException | None) -> str:
     return INFRA if error is None or died(error) else ERROR
 
 
-def settled(status: str, tags: dict) -> dict | None | bool:
-    """How the store says a trial ended, when that is final (`tune --resume` runs it no further): its failure
-    (as_dict) when it failed on its own; None when it finished or ASHA pruned it; False when it may go on (still
-    running, interrupted, or failed for the infrastructure). `status`, `tags`: its MLflow run's."""
+@dataclass(frozen=True)
+class Settled:
+    """A trial whose end the store holds as final (`settled`): `tune --resume` ends it as it ended, never trains it
+    again. `failure`: how it failed on its own (None: it finished, or ASHA pruned it); `last`: its last reported
+    metrics (tracking.settled_trials fills them: Tune needs a last result with the metric)."""
+
+    failure: Failure | None = None
+    last: dict = field(default_factory=dict)
+
+
+def settled(status: str, tags: dict) -> Settled | None:
+    """How the store says a trial ended, when that is final; None when it may go on (still running, interrupted, or
+    failed for the infrastructure). `status`, `tags`: its MLflow run's (metrics.run_ending wrote them)."""
     outcome = outcome_of_run(status, tags)
     if outcome in (FINISHED, PRUNED):
-        return None
-    if outcome == FAILED and tags.get(TAG_FAILURE, ERROR) in OWN:
-        return {"kind": tags.get(TAG_FAILURE, ERROR), "message": tags.get(TAG_ERROR, "failed")}
-    return False
+        return Settled()
+    failure = Failure(tags.get(TAG_FAILURE, ERROR), tags.get(TAG_ERROR, "failed")) if outcome == FAILED else None
+    return Settled(failure) if failure is not None and failure.final else None
 
 
 _NOTED: dict[str, str] = {}  # this driver's errored trials' kinds, by Tune trial id (note_kind)

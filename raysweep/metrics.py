@@ -138,6 +138,8 @@ OUTCOMES = (FINISHED, PRUNED, FAILED, INTERRUPTED, RUNNING)
 # the tags of a trial's MLflow run that say how it ended (run_ending writes them, outcome_of_run reads them)
 TAG_STOPPED_BY, TAG_STOPPED_AT_EPOCH = "stopped_by", "stopped_at_epoch"  # pruned: "asha", and its last epoch
 TAG_FAILURE, TAG_ERROR = "failure", "error"  # failed: its kind (failures.KINDS), and the error's telling line
+TAG_INTERRUPTED = "interrupted"  # "true": its sweep stopped before it ended (Ctrl-C, a lost driver's sweep)
+ENDING_TAGS = (TAG_STOPPED_BY, TAG_STOPPED_AT_EPOCH, TAG_FAILURE, TAG_ERROR, TAG_INTERRUPTED)  # run_ending's, all
 TAG_BASELINE = "raysweep.baseline"  # "true" on the baseline's run (the spec's defaults)
 # an error line is cut to this, below the longest tag value MLflow takes (MAX_TAG_VAL_LENGTH in
 # mlflow/utils/validation.py: 8000 in MLflow 3)
@@ -172,15 +174,19 @@ class RunEnding(NamedTuple):
 
 
 def run_ending(outcome: str, epoch: int = 0, failure: str | None = None, error: str | None = None) -> RunEnding:
-    """An outcome (Horizon.outcome) as its MLflow run ends: finished → FINISHED; pruned → KILLED tagged
-    stopped_by=asha and stopped_at_epoch=`epoch`; failed → FAILED tagged error=`error` (its line, cut to
-    ERROR_TAG_CHARS) and failure=`failure` (its kind). `outcome_of_run` reads it back."""
+    """An outcome (Horizon.outcome, or interrupted) as its MLflow run ends, the one encoding of it: finished →
+    FINISHED; pruned → KILLED tagged stopped_by=asha and stopped_at_epoch=`epoch`; interrupted → KILLED tagged
+    interrupted=true (and error=`error` if given: why its sweep stopped); failed → FAILED tagged error=`error` (its
+    line, cut to ERROR_TAG_CHARS) and failure=`failure` (its kind). `outcome_of_run` reads it back; a run reopened
+    for --resume loses every tag of ENDING_TAGS (tracking.reopen)."""
     if outcome == FINISHED:
         return RunEnding("FINISHED", {})
     if outcome == PRUNED:
         return RunEnding("KILLED", {TAG_STOPPED_BY: "asha", TAG_STOPPED_AT_EPOCH: str(epoch)})
+    if outcome == INTERRUPTED:
+        return RunEnding("KILLED", {TAG_INTERRUPTED: "true", **({TAG_ERROR: error[:ERROR_TAG_CHARS]} if error else {})})
     if outcome == FAILED and failure is not None and error is not None:
-        return RunEnding("FAILED", {TAG_ERROR: error[:ERROR_TAG_CHARS], TAG_FAILURE: failure})
+        return RunEnding("FAILED", {TAG_ERROR: error[:ERROR_TAG_CHARS], TAG_FAILURE: str(failure)})
     raise ValueError(f"run_ending: no run ending for outcome {outcome!r} (failure {failure!r}, error {error!r}); "
                      f"give finished, pruned, or failed with its failure kind and error line")
 

@@ -33,7 +33,7 @@ class SweepContext:
     batch_cap: int | None = None  # per-GPU batches above it run as smaller micro-batches
     decision_points: tuple[float, ...] = ()  # where ASHA may stop a trial, in time_attr (asha.AshaPlan)
     time_attr: str = "epoch"  # what ASHA counts: epoch or train_seconds
-    settled: dict = field(default_factory=dict)  # --resume: trial id → how the store says it ended (resume.py)
+    settled: dict = field(default_factory=dict)  # --resume: trial id → failures.Settled, how the store says it ended
 
 
 def run_trial(knobs: dict, context: SweepContext) -> None:
@@ -51,9 +51,9 @@ def run_trial(knobs: dict, context: SweepContext) -> None:
     trial_id = tune.get_context().get_trial_id()
     if trial_id in context.settled:
         ended = context.settled[trial_id]
-        if ended["failure"] is not None:
-            raise TrialFailure.from_dict(ended["failure"])
-        tune.report(ended["last"])  # Tune needs a last result with the metric; the store is not written again
+        if ended.failure is not None:
+            raise ended.failure.raised()
+        tune.report(ended.last)  # Tune needs a last result with the metric; the store is not written again
         return
     trial = context.trials.trial(knobs, context.train_size, context.batch_cap)
     # the folder comes from the trial id: a trial run again (restart, --resume) continues from its checkpoint there
@@ -82,7 +82,6 @@ def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_star
     failed (failures.TrialFailure) or None."""
     from ray import tune
 
-    from raysweep.failures import TrialFailure
     from raysweep.slots import ASK_WAIT_S
 
     broker = context.broker
@@ -100,7 +99,7 @@ def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_star
             broker.ack.remote(trial_id, seq, i + 1)
         since += len(out["reports"])
         if out["done"]:
-            return TrialFailure.from_dict(out["failure"]) if out["failure"] else None
+            return out["failure"].raised() if out["failure"] is not None else None
 
 
 def _ask(call, wait_s: float, trial_id: str):

@@ -115,7 +115,8 @@ def test_a_failures_kind_travels_typed_through_pickling_and_rays_wrapper():
     failure = TrialFailure("oom", "OOM at per-GPU batch 128 (micro-batch 64 after 1 downshifts)")
     again = pickle.loads(pickle.dumps(failure))  # Tune pickles the trial's error; Ray pickles it across processes
     assert (again.kind, again.message, str(again)) == ("oom", failure.message, failure.message)
-    assert TrialFailure.from_dict(failure.as_dict()).kind == "oom" and failure.final
+    assert failure.failure.raised().failure == failure.failure and failure.final  # the record, raised again
+    assert pickle.loads(pickle.dumps(failure.failure)) == failure.failure  # as it crosses to the broker and relay
     # what Tune keeps for a trial function that raised: Ray's wrapper, the failure as its cause (no message parsed)
     import cloudpickle  # as Tune writes a trial's error.pkl
 
@@ -128,13 +129,15 @@ def test_a_failures_kind_travels_typed_through_pickling_and_rays_wrapper():
     with pytest.raises(ValueError, match="not one of"):
         TrialFailure("flaky", "x")
     # what --resume does with a trial, from its run in the store
-    assert settled("FINISHED", {}) is None
-    assert settled("KILLED", {"stopped_by": "asha"}) is None  # pruned stays pruned
-    assert settled("KILLED", {"interrupted": "true"}) is False  # Ctrl-C: it goes on
-    assert settled("FAILED", {"failure": "infra", "error": "worker group lost"}) is False
-    assert settled("FAILED", {"failure": "diverged", "error": "diverged: at epoch 2"}) == {
-        "kind": "diverged", "message": "diverged: at epoch 2"}
-    assert settled("RUNNING", {}) is False
+    from raysweep.failures import Failure, Settled
+
+    assert settled("FINISHED", {}) == Settled()
+    assert settled("KILLED", {"stopped_by": "asha"}) == Settled()  # pruned stays pruned
+    assert settled("KILLED", {"interrupted": "true"}) is None  # Ctrl-C: it goes on
+    assert settled("FAILED", {"failure": "infra", "error": "worker group lost"}) is None
+    assert settled("FAILED", {"failure": "diverged", "error": "diverged: at epoch 2"}) == Settled(
+        Failure("diverged", "diverged: at epoch 2"))
+    assert settled("RUNNING", {}) is None
 
 
 def test_a_process_that_died_without_raising_is_the_infrastructures_and_what_the_trial_raised_its_own():

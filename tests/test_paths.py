@@ -110,3 +110,35 @@ def test_the_sweeps_folder_names_live_in_layout_alone():
     resume = ast.parse((root / "resume.py").read_text())
     imported = {n.module for n in ast.walk(resume) if isinstance(n, ast.ImportFrom)}
     assert not {m for m in imported if m and m.startswith("raysweep.worker")}, imported
+
+
+def test_a_runs_ending_is_written_and_read_back_through_one_encoding_and_a_reopen_clears_all_of_it(tmp_path):
+    """Every outcome a trial's run can end with, written by tracking.end_run from metrics.run_ending on a real store
+    (SQLite), reads back as itself (metrics.outcome_of_run); a sweep ended with its runs still running marks them
+    by the same encoding (interrupted, or failed for the infrastructure); reopen (--resume) leaves none of its tags.
+    end_sweep and the resume wrote these tags by hand before, and reopen missed failure and the pruned marks."""
+    from mlflow.tracking import MlflowClient
+
+    from raysweep.metrics import ENDING_TAGS, FAILED, FINISHED, INTERRUPTED, PRUNED, outcome_of_run, run_ending
+    from raysweep.tracking.runs import end_run, end_sweep, reopen
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("t")
+    endings = {FINISHED: run_ending(FINISHED), PRUNED: run_ending(PRUNED, 2),
+               INTERRUPTED: run_ending(INTERRUPTED, error="Ctrl-C"),
+               FAILED: run_ending(FAILED, failure="diverged", error="diverged: at epoch 2")}
+    for outcome, ending in endings.items():
+        run_id = client.create_run(experiment).info.run_id
+        end_run(client, run_id, ending)
+        run = client.get_run(run_id)
+        assert outcome_of_run(run.info.status, run.data.tags) == outcome
+        reopen(client, run_id)
+        run = client.get_run(run_id)
+        assert run.info.status == "RUNNING" and not set(run.data.tags) & set(ENDING_TAGS), run.data.tags
+    for status, child_outcome, kind in (("KILLED", INTERRUPTED, None), ("FAILED", FAILED, "infra")):
+        parent = client.create_run(experiment).info.run_id
+        child = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+        end_sweep(str(client.tracking_uri), parent, status, error="the driver was lost")
+        run = client.get_run(child)
+        assert outcome_of_run(run.info.status, run.data.tags) == child_outcome
+        assert run.data.tags.get("failure") == kind and run.data.tags["error"] == "the driver was lost"

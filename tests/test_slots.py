@@ -115,9 +115,9 @@ def test_a_restarted_group_resumes_its_trial_until_the_restarts_are_spent_then_t
         assert again["slot_opened_at"] is None  # a restart is not this trial's start-up
         assert await b.next_assignment(0, None) is None  # a second restart: max_failures 1 spent; nothing else
         polled = await b.poll("a", seq, 0, wait_s=0)
-        assert polled["done"] and "train.max_failures 1" in polled["failure"]["message"]
-        assert "died unexpectedly" in polled["failure"]["message"]  # metrics.error_line names it a worker death
-        assert polled["failure"]["kind"] == "error"  # restarts spent: the trial's own (a crash in its step looks so)
+        assert polled["done"] and "train.max_failures 1" in polled["failure"].message
+        assert "died unexpectedly" in polled["failure"].message  # metrics.error_line names it a worker death
+        assert polled["failure"].kind == "error"  # restarts spent: the trial's own (a crash in its step looks so)
 
     run(go())
 
@@ -144,9 +144,9 @@ def test_a_slot_whose_group_cannot_start_fails_its_trial_with_the_cause():
         seq = await b.submit("a", trial(), "/runs/a", 3)
         polled = await b.poll("a", seq, 0, wait_s=5)
         failure = polled["failure"]
-        assert polled["done"] and "startup timed out" in failure["message"]
-        assert "worker group lost" in failure["message"]
-        assert failure["kind"] == "infra"  # not the trial's fault: its relay submits it again
+        assert polled["done"] and "startup timed out" in failure.message
+        assert "worker group lost" in failure.message
+        assert failure.kind == "infra"  # not the trial's fault: its relay submits it again
         assert b.slots == {}
 
     run(go())
@@ -167,12 +167,12 @@ def test_a_group_whose_set_up_fails_every_time_ends_its_slot_and_no_trial_of_tha
         await settle()
         assert fits.ends[0].cancelled()  # its fit() (on Ray: the slot host, with the controller) is ended
         polled = await b.poll("a", seq, 0, wait_s=0)
-        assert polled["done"] and polled["failure"]["kind"] == "infra"
-        message = polled["failure"]["message"]
+        assert polled["done"] and polled["failure"].kind == "infra"
+        message = polled["failure"].message
         assert "set-up failed 3 times in a row (scaling.max_setup_failures 3)" in message
         assert "CUDA error: no device (3)" in message and "\n" not in message  # the workers' error, one line
         # no group of this shape ever set up: the queued trial, and any later one, fails at once (no new slot)
-        assert (await b.poll("b", queued, 0, wait_s=0))["failure"]["kind"] == "infra"
+        assert (await b.poll("b", queued, 0, wait_s=0))["failure"].kind == "infra"
         late = await b.submit("c", shape, "/runs/c", 5)
         assert (await b.poll("c", late, 0, wait_s=1))["done"]
         assert [s for s, _ in fits.launched] == [0] and b.slots == {}
@@ -410,6 +410,6 @@ def test_a_checkpoint_waits_until_the_store_holds_every_earlier_epoch_and_close_
         await b2.report(seq2, {"epoch": 1})
         assert await b2.recorded_through(seq2, 1, wait_s=0.05) is False
         failure = (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
-        assert "MLflow recorded none of the trial's epochs after 0" in failure["message"] and failure["kind"] == "infra"
+        assert "MLflow recorded none of the trial's epochs after 0" in failure.message and failure.kind == "infra"
 
     run(go())

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from raysweep.failures import ERROR, INFRA
+from raysweep.failures import ERROR, INFRA, Failure, Kind
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,10 @@ class Assignment:
     timeline: dict = field(default_factory=dict)  # the start-up stamps of its first start (metrics.startup_phases)
     timeline_at: int = -1  # the report that came with them
     done: bool = False
-    failure: dict | None = None  # how it failed (failures.TrialFailure.as_dict): agreed by its ranks, or the broker's
+    failure: Failure | None = None  # how it failed: agreed by its ranks, or the broker's
     cancelled: bool = False  # the driver ended the trial (ASHA, an error): stop at the next epoch's end
     last_error: str | None = None  # the workers' error behind the last restart of its group
-    last_error_kind: str = ERROR  # its kind (actors.group_failure_kind): the trial's failure once restarts are spent
+    last_error_kind: Kind = ERROR  # its kind (actors.group_failure_kind): the trial's failure once restarts are spent
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Broker:
         a = self.trials.get(trial_id)
         if a is None or a.seq != seq:
             return {"reports": [], "done": True,
-                    "failure": {"kind": INFRA, "message": "superseded by a newer run of the same trial"}}
+                    "failure": Failure(INFRA, "superseded by a newer run of the same trial")}
         return {"reports": a.reports[since:], "done": a.done, "failure": a.failure, "timeline": a.timeline,
                 "timeline_at": a.timeline_at, "restarts": a.restarts}
 
@@ -182,9 +182,9 @@ class Broker:
                 if a.started and after is None and (group is None or group != a.group):  # a restarted group
                     a.restarts += 1  # the trial resumes on it, if it may
                     if a.restarts > a.max_failures:
-                        self._finish(a, failure={"kind": a.last_error_kind, "message": (
+                        self._finish(a, failure=Failure(a.last_error_kind, (
                             f"worker group restarted {a.restarts - 1} times (train.max_failures {a.max_failures}); "
-                            f"last error: {a.last_error or 'unknown'}")})
+                            f"last error: {a.last_error or 'unknown'}")))
                         await self._changed()
                         continue
                 if after is None or a.seq > after:
@@ -240,8 +240,8 @@ class Broker:
 
         await self._wait(lambda: held() or a.cancelled or a.done, wait_s)
         if not held() and not a.cancelled and not a.done:  # a driver that no longer records, a store that stalled
-            self._finish(a, failure={"kind": INFRA, "message": f"MLflow recorded none of the trial's epochs after "
-                                     f"{self.stored.get(a.trial_id, 0)} in {wait_s:.0f} s (mlflow.retry_s)"})
+            self._finish(a, failure=Failure(INFRA, f"MLflow recorded none of the trial's epochs after "
+                                            f"{self.stored.get(a.trial_id, 0)} in {wait_s:.0f} s (mlflow.retry_s)"))
             await self._changed()
         return held() and not a.cancelled and not a.done
 
@@ -258,9 +258,9 @@ class Broker:
             a.acked = count
             await self._changed()
 
-    async def finish(self, seq: int, failure: dict | None = None) -> None:
+    async def finish(self, seq: int, failure: Failure | None = None) -> None:
         """The slot's group is done with an assignment: it ran out of epochs, was ended, or failed as its ranks
-        agreed (`failure`: failures.TrialFailure.as_dict, an OOM past the downshifts, divergence)."""
+        agreed (`failure`: an OOM past the downshifts, divergence)."""
         a = self._assignment(seq)
         if a is not None and not a.done:
             self._finish(a, failure)
@@ -272,7 +272,7 @@ class Broker:
         if slot is not None:
             slot.placement = placement
 
-    async def group_error(self, slot_id: int, text: str, kind: str = ERROR) -> None:
+    async def group_error(self, slot_id: int, text: str, kind: Kind = ERROR) -> None:
         """What the slot's workers raised (Ray Train's controller saw it; it restarts the group next). `kind`: oom
         where a rank ran out of memory, infra where a rank's process died without raising, else error
         (actors.group_failure_kind). Before the group's rank 0 asked for work it is a set-up failure: past
@@ -330,7 +330,7 @@ class Broker:
                 self.queue.remove(a)
             self._finish(a)
 
-    def _finish(self, a: Assignment, failure: dict | None = None) -> None:
+    def _finish(self, a: Assignment, failure: Failure | None = None) -> None:
         a.done, a.failure = True, failure
         slot = self.slots.get(a.slot) if a.slot is not None else None
         if slot is not None and slot.current is a:
@@ -365,7 +365,7 @@ class Broker:
             reason = self._unplaceable(a)
             if reason is not None:
                 self.queue.remove(a)
-                self._finish(a, failure={"kind": INFRA, "message": reason})
+                self._finish(a, failure=Failure(INFRA, reason))
                 continue
             idle = [s for s in self.slots.values() if s.current is None and not s.retiring]
             live = [s for s in self.slots.values() if not s.retiring]
@@ -413,7 +413,7 @@ class Broker:
                 failure = f"worker group lost: {error or 'its worker group ended'}"
                 if slot.current.last_error:
                     failure += f"; the workers' last error: {slot.current.last_error}"
-            self._finish(slot.current, failure={"kind": INFRA, "message": failure})
+            self._finish(slot.current, failure=Failure(INFRA, failure))
         await self._changed()
 
     async def _release(self, slot: Slot) -> None:

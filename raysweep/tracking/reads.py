@@ -32,10 +32,12 @@ def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, floa
     return {b: statistics.median(v) for b, v in seen.items()}
 
 
-def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict]:
-    """{trial id: {"failure": how it failed or None, "last": its last reported metrics}} for a sweep's trials whose
-    end the store holds as final (failures.settled): a resumed sweep's relays end them so (a pruned or finished one
-    reports its last result again: Tune needs one with the metric), and never train them again."""
+def settled_trials(tracking_uri: str, parent_run_id: str) -> dict:
+    """{trial id: failures.Settled, with its last reported metrics} for a sweep's trials whose end the store holds
+    as final (failures.settled): a resumed sweep's relays end them so (a pruned or finished one reports its last
+    result again: Tune needs one with the metric), and never train them again."""
+    import dataclasses
+
     from mlflow.tracking import MlflowClient
 
     from raysweep.failures import settled
@@ -46,11 +48,11 @@ def settled_trials(tracking_uri: str, parent_run_id: str) -> dict[str, dict]:
     for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
                                     max_results=10_000):
         verdict = settled(child.info.status, child.data.tags)
-        if verdict is not False:
+        if verdict is not None:
             last = dict(child.data.metrics)
             if "resolved_epochs" in child.data.params:  # what metrics.Horizon reads to call it finished
                 last["resolved_epochs"] = int(child.data.params["resolved_epochs"])
-            out[child.data.tags.get("trial_id", child.info.run_name)] = {"failure": verdict, "last": last}
+            out[child.data.tags.get("trial_id", child.info.run_name)] = dataclasses.replace(verdict, last=last)
     return out
 
 

@@ -8,6 +8,7 @@ import time
 from raysweep import drivers
 from raysweep.errors import UserError
 from raysweep.failures import INFRA
+from raysweep.metrics import ENDING_TAGS, ERROR_TAG_CHARS, FAILED, INTERRUPTED, TAG_ERROR, RunEnding, run_ending
 from raysweep.tracking.store import _artifact_text, _set_tags, sqlite_path
 
 
@@ -68,14 +69,21 @@ def resumed_parent(tracking_uri: str, parent_run_id: str) -> str:
 
 
 def reopen(client, run_id: str):
-    """RUNNING again, without the marks of how it ended (a resumed sweep's parent, a resumed trial's run);
-    returns the run as it was."""
+    """RUNNING again, without the marks of how it ended (metrics.ENDING_TAGS: a resumed sweep's parent, a resumed
+    trial's run); returns the run as it was."""
     run = client.get_run(run_id)
-    for key in ("error", "interrupted"):
+    for key in ENDING_TAGS:
         if key in run.data.tags:
             client.delete_tag(run_id, key)
     client.update_run(run_id, status="RUNNING")
     return run
+
+
+def end_run(client, run_id: str, ending: RunEnding) -> None:
+    """A run ended as metrics.run_ending encodes it: its tags, then its status."""
+    if ending.tags:
+        _set_tags(client, run_id, ending.tags)
+    client.set_terminated(run_id, status=ending.status)
 
 
 def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | None = None) -> None:
@@ -88,15 +96,14 @@ def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | N
     children = client.search_runs(
         [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"
     )
-    child_status = "FAILED" if status == "FAILED" else "KILLED"
-    for run_id, ends in [(c.info.run_id, child_status) for c in children] + [(parent_run_id, status)]:
-        if ends == "KILLED":  # interrupted: `tune --resume` sets them RUNNING again
-            client.set_tag(run_id, "interrupted", "true")
-        elif run_id != parent_run_id:  # not its own failure but the sweep's: `tune --resume` continues it
-            client.set_tag(run_id, "failure", INFRA)
-        if error:
-            client.set_tag(run_id, "error", error[:5000])
-        client.set_terminated(run_id, status=ends)
+    if status == "FAILED":  # not the trials' own failure but the sweep's: `tune --resume` continues them
+        child = run_ending(FAILED, failure=INFRA, error=error or "its sweep failed")
+        parent = RunEnding("FAILED", {TAG_ERROR: error[:ERROR_TAG_CHARS]} if error else {})
+    else:  # interrupted: `tune --resume` sets them RUNNING again
+        child = parent = run_ending(INTERRUPTED, error=error)
+    for c in children:
+        end_run(client, c.info.run_id, child)
+    end_run(client, parent_run_id, parent)
 
 
 def log_sweep_figures(tracking_uri: str, parent_run_id: str, figures: dict[str, float]) -> None:

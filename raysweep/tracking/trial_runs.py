@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 
-from raysweep.metrics import TAG_BASELINE, TAG_FAILURE
-from raysweep.tracking.runs import reopen
+from raysweep.metrics import TAG_BASELINE, RunEnding
+from raysweep.tracking.runs import end_run, reopen
 
 
 class TrialRuns:
@@ -80,12 +80,10 @@ class TrialRuns:
         run = self.client.get_run(run_id)
         if run.info.status == "RUNNING":
             return
-        if settled(run.info.status, run.data.tags) is not False:
+        if settled(run.info.status, run.data.tags) is not None:
             self.settled.add(trial_id)
         else:  # resumed: interrupted (KILLED) or failed for the infrastructure
             reopen(self.client, run_id)
-            if TAG_FAILURE in run.data.tags:
-                self.client.delete_tag(run_id, TAG_FAILURE)
 
     def add_result(self, trial_id: str, step: int, at_ms: int, values: dict, worker_params: dict,
                    tags: dict) -> None:
@@ -146,15 +144,10 @@ class TrialRuns:
 
     def end(self, trial_id: str, params: dict, baseline: bool, status: str, tags: dict) -> None:
         """The run ended with `status` and `tags` (metrics.run_ending)."""
-        from raysweep.tracking.store import _set_tags
-
         if trial_id in self.settled:
             return
         self.write_results(trial_id, params, baseline)  # normally written by then: each report queued a write
-        run_id = self._run_for(trial_id, params, baseline)[0]
-        if tags:
-            _set_tags(self.client, run_id, tags)
-        self.client.set_terminated(run_id, status=status)
+        end_run(self.client, self._run_for(trial_id, params, baseline)[0], RunEnding(status, tags))
 
     # -- the run of a trial
 

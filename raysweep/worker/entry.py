@@ -150,7 +150,7 @@ class SlotRank:
         if self.me.rank == 0:
             self.ask(lambda: self.broker.finish.remote(assignment["seq"], outcome), again=True)
 
-    def _train(self, assignment: dict, fresh: bool) -> dict | None:
+    def _train(self, assignment: dict, fresh: bool):
         """Build the trial, restore it from its folder's checkpoint, train it; returns how it failed (None: it did
         not). What it built is this call's alone: it goes when the call returns (tests/test_slot_memory.py)."""
         import ray.train.torch
@@ -175,10 +175,10 @@ class SlotRank:
                                         on_probed=lambda: stamps.update(probed=time.time()), proven=self.proven)
         if trained:
             self.proven = max(self.proven, run.micro_batch)
-        # the failure as data (its kind reaches Tune and MLflow as it is, failures.py); the exception itself goes
+        # the failure as its record (failures.Failure: its kind reaches Tune and MLflow as it is); the exception goes
         # now: its traceback holds train_epochs' frame, which holds the run and links back to this frame (f_back):
         # kept to the end of this call, that is a reference cycle, and the run would wait for the cyclic collector
-        outcome = failure.as_dict() if failure is not None else None
+        outcome = failure.failure if failure is not None else None
         del failure
         return outcome
 
