@@ -217,6 +217,8 @@ class SimulatedSlots:
         one (or ramp_wait_s passed)."""
         import asyncio
 
+        from raysweep.protocol import RETIRE
+
         self.launched += 1
         if self.all_launched is None:
             self.all_launched = asyncio.Event()
@@ -230,16 +232,17 @@ class SimulatedSlots:
             assignment = await broker.next_assignment.remote(slot_id, after)
             if assignment is None:
                 continue  # nothing to run yet: ask again
-            if assignment.get("retire"):
+            if assignment == RETIRE:
                 return
-            after = assignment["seq"]
+            after = assignment.seq
             await self._trial(broker, assignment)
-            await broker.finish.remote(assignment["seq"], None)
+            await broker.finish.remote(assignment.seq, None)
 
-    async def _trial(self, broker, assignment: dict) -> None:
+    async def _trial(self, broker, assignment) -> None:
+        """One Task (raysweep.protocol), as worker/entry.py runs one."""
         import asyncio
 
-        seq, trial_id, trial = assignment["seq"], assignment["trial_id"], assignment["trial"]
+        seq, trial_id, trial = assignment.seq, assignment.trial_id, assignment.trial
         epochs, checkpoint_every = trial["train"]["epochs"], trial["train"]["checkpoint_every"]
         spread = zlib.crc32(f"{trial_id}/pace".encode()) / 2**31 - 1.0  # in [-1, 1): this trial's own pace
         epoch_s = self.epoch_s * (1.0 + self.jitter * spread)
@@ -314,7 +317,7 @@ def actor_classes():
                 self._ended(a, "finished" if last >= a.trial["train"]["epochs"] else "pruned")
             await super().end(trial_id)
 
-        async def finish(self, seq: int, failure: dict | None = None) -> None:
+        async def finish(self, seq: int, failure=None) -> None:
             a = self._assignment(seq)
             if a is not None and not a.done:  # ran its epochs, or failed
                 self._ended(a, "failed" if failure else "finished")

@@ -90,16 +90,16 @@ def _relay(context: SweepContext, trial_id: str, trial, run_dir: str, relay_star
     since = 0
     while True:
         out = _ask(lambda since=since: broker.poll.remote(trial_id, seq, since), ASK_WAIT_S + POLL_ANSWER_S, trial_id)
-        for i, metrics in enumerate(out["reports"], start=since):
-            if i == out["timeline_at"] and not retries:  # the first epoch: how long the trial took to start
-                metrics = {**metrics, STARTUP_STAMPS: json.dumps({**out["timeline"], "relay_started": relay_started})}
+        for i, metrics in enumerate(out.reports, start=since):
+            if i == out.timeline_at and not retries:  # the first epoch: how long the trial took to start
+                metrics = {**metrics, STARTUP_STAMPS: json.dumps({**out.timeline, "relay_started": relay_started})}
             if retries:
                 metrics = {**metrics, INFRA_RETRIES: retries}
             tune.report(metrics)  # returns once Tune has let the trial go on (a stop ends this process's trial here)
             broker.ack.remote(trial_id, seq, i + 1)
-        since += len(out["reports"])
-        if out["done"]:
-            return out["failure"].raised() if out["failure"] is not None else None
+        since += len(out.reports)
+        if out.done:
+            return out.failure.raised() if out.failure is not None else None
 
 
 def _ask(call, wait_s: float, trial_id: str):

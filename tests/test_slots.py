@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from raysweep.metrics import STARTUP_NAMES, startup_phases
+from raysweep.protocol import RETIRE
 from raysweep.slots import Broker
 from raysweep.sweep import busy_share
 
@@ -52,15 +53,15 @@ def test_trials_share_one_warm_slot_in_turn_and_only_the_first_pays_for_the_grou
         await settle()
         assert [s for s, _ in fits.launched] == [0]  # one group for both
         first = await b.next_assignment(0, None)
-        assert first["trial_id"] == "a" and first["slot_opened_at"] is not None  # built for this trial
+        assert first.trial_id == "a" and first.slot_opened_at is not None  # built for this trial
         assert await b.report(a1, {"epoch": 1, "epoch_time_s": 2.0}, {"probed": 1.0}) is True
         assert await b.report(a1, {"epoch": 1, "epoch_time_s": 9.0}, resent=True) is True  # nothing trained
         await b.finish(a1)
         polled = await b.poll("a", a1, 0, wait_s=0)
-        assert polled["done"] and polled["failure"] is None and len(polled["reports"]) == 2
-        assert polled["timeline"] == {"probed": 1.0} and polled["timeline_at"] == 0
-        second = await b.next_assignment(0, first["seq"])
-        assert second["trial_id"] == "b" and second["seq"] == a2 and second["slot_opened_at"] is None  # warm
+        assert polled.done and polled.failure is None and len(polled.reports) == 2
+        assert polled.timeline == {"probed": 1.0} and polled.timeline_at == 0
+        second = await b.next_assignment(0, first.seq)
+        assert second.trial_id == "b" and second.seq == a2 and second.slot_opened_at is None  # warm
         assert [s for s, _ in fits.launched] == [0]
         assert b.busy_s == 2.0
         return b
@@ -78,11 +79,11 @@ def test_a_trial_the_driver_ends_stops_at_its_next_report_and_the_slot_takes_the
         await b.end("a")  # ASHA stopped it
         assert await b.report(a1, {"epoch": 2}) is False  # every rank stops after this epoch
         await b.finish(a1)
-        assert (await b.next_assignment(0, got["seq"]))["trial_id"] == "b"
+        assert (await b.next_assignment(0, got.seq)).trial_id == "b"
         # a trial ended while still queued never reaches a group
         await b.submit("c", trial(), "/runs/c", 1)
         await b.end("c")
-        assert (await b.poll("c", b.trials["c"].seq, 0, wait_s=0))["done"]
+        assert (await b.poll("c", b.trials["c"].seq, 0, wait_s=0)).done
         assert b.queue == []
 
     run(go())
@@ -94,12 +95,12 @@ def test_a_group_that_asks_again_after_a_slow_answer_is_not_counted_as_a_restart
     async def go():
         b = Broker(1, Fits().launch)
         seq = await b.submit("a", trial(), "/runs/a", 1)
-        assert (await b.next_assignment(0, None, "group-1"))["seq"] == seq
+        assert (await b.next_assignment(0, None, "group-1")).seq == seq
         for _ in range(3):  # the first answer never reached it
-            assert (await b.next_assignment(0, None, "group-1"))["seq"] == seq
+            assert (await b.next_assignment(0, None, "group-1")).seq == seq
         assert b.trials["a"].restarts == 0
-        assert (await b.next_assignment(0, None, "group-2"))["seq"] == seq and b.trials["a"].restarts == 1
-        assert (await b.next_assignment(0, None, "group-2"))["seq"] == seq and b.trials["a"].restarts == 1
+        assert (await b.next_assignment(0, None, "group-2")).seq == seq and b.trials["a"].restarts == 1
+        assert (await b.next_assignment(0, None, "group-2")).seq == seq and b.trials["a"].restarts == 1
 
     run(go())
 
@@ -108,16 +109,16 @@ def test_a_restarted_group_resumes_its_trial_until_the_restarts_are_spent_then_t
     async def go():
         b = Broker(1, Fits().launch)
         seq = await b.submit("a", trial(), "/runs/a", 1)
-        assert (await b.next_assignment(0, None))["seq"] == seq
+        assert (await b.next_assignment(0, None)).seq == seq
         await b.group_error(0, "rank 1: A worker health check failed: the actor died unexpectedly")
         again = await b.next_assignment(0, None)  # the new group's rank 0: the same trial, from its checkpoint
-        assert again["seq"] == seq and b.trials["a"].restarts == 1
-        assert again["slot_opened_at"] is None  # a restart is not this trial's start-up
+        assert again.seq == seq and b.trials["a"].restarts == 1
+        assert again.slot_opened_at is None  # a restart is not this trial's start-up
         assert await b.next_assignment(0, None) is None  # a second restart: max_failures 1 spent; nothing else
         polled = await b.poll("a", seq, 0, wait_s=0)
-        assert polled["done"] and "train.max_failures 1" in polled["failure"].message
-        assert "died unexpectedly" in polled["failure"].message  # metrics.error_line names it a worker death
-        assert polled["failure"].kind == "error"  # restarts spent: the trial's own (a crash in its step looks so)
+        assert polled.done and "train.max_failures 1" in polled.failure.message
+        assert "died unexpectedly" in polled.failure.message  # metrics.error_line names it a worker death
+        assert polled.failure.kind == "error"  # restarts spent: the trial's own (a crash in its step looks so)
 
     run(go())
 
@@ -132,8 +133,8 @@ def test_a_trial_of_another_shape_gets_a_group_of_its_own_in_place_of_an_idle_on
         await b.submit("b", trial(CPU3), "/runs/b", 0)
         await settle()
         assert [(s, t["scaling"]["num_workers"]) for s, t in fits.launched] == [(0, 2), (1, 3)]
-        assert await b.next_assignment(0, got["seq"]) == {"retire": True}  # the 2-worker group leaves
-        assert (await b.next_assignment(1, None))["trial_id"] == "b"
+        assert await b.next_assignment(0, got.seq) == RETIRE  # the 2-worker group leaves
+        assert (await b.next_assignment(1, None)).trial_id == "b"
 
     run(go())
 
@@ -143,8 +144,8 @@ def test_a_slot_whose_group_cannot_start_fails_its_trial_with_the_cause():
         b = Broker(1, Fits(fail_with="ControllerError: The worker group startup timed out after 15.0 seconds").launch)
         seq = await b.submit("a", trial(), "/runs/a", 3)
         polled = await b.poll("a", seq, 0, wait_s=5)
-        failure = polled["failure"]
-        assert polled["done"] and "startup timed out" in failure.message
+        failure = polled.failure
+        assert polled.done and "startup timed out" in failure.message
         assert "worker group lost" in failure.message
         assert failure.kind == "infra"  # not the trial's fault: its relay submits it again
         assert b.slots == {}
@@ -167,14 +168,14 @@ def test_a_group_whose_set_up_fails_every_time_ends_its_slot_and_no_trial_of_tha
         await settle()
         assert fits.ends[0].cancelled()  # its fit() (on Ray: the slot host, with the controller) is ended
         polled = await b.poll("a", seq, 0, wait_s=0)
-        assert polled["done"] and polled["failure"].kind == "infra"
-        message = polled["failure"].message
+        assert polled.done and polled.failure.kind == "infra"
+        message = polled.failure.message
         assert "set-up failed 3 times in a row (scaling.max_setup_failures 3)" in message
         assert "CUDA error: no device (3)" in message and "\n" not in message  # the workers' error, one line
         # no group of this shape ever set up: the queued trial, and any later one, fails at once (no new slot)
-        assert (await b.poll("b", queued, 0, wait_s=0))["failure"].kind == "infra"
+        assert (await b.poll("b", queued, 0, wait_s=0)).failure.kind == "infra"
         late = await b.submit("c", shape, "/runs/c", 5)
-        assert (await b.poll("c", late, 0, wait_s=1))["done"]
+        assert (await b.poll("c", late, 0, wait_s=1)).done
         assert [s for s, _ in fits.launched] == [0] and b.slots == {}
 
     run(go())
@@ -188,10 +189,10 @@ def test_set_up_failures_count_in_a_row_and_a_failure_mid_trial_is_a_restart_not
         seq = await b.submit("a", shape, "/runs/a", 5)
         await settle()
         await b.group_error(0, "rank 0: set-up 1")  # one set-up fails
-        assert (await b.next_assignment(0, None))["seq"] == seq  # the next one gets through: the count restarts
+        assert (await b.next_assignment(0, None)).seq == seq  # the next one gets through: the count restarts
         await b.group_error(0, "rank 1: died mid-trial", "oom")  # a restart, counted against the trial's max_failures
         await b.group_error(0, "rank 0: set-up 1")  # the restarted group's set-up fails once: not yet the limit
-        assert (await b.next_assignment(0, None))["seq"] == seq and b.trials["a"].restarts == 1
+        assert (await b.next_assignment(0, None)).seq == seq and b.trials["a"].restarts == 1
         assert b.trials["a"].last_error_kind == "oom" and 0 in b.slots
 
     run(go())
@@ -207,9 +208,9 @@ def test_an_idle_slot_with_nothing_queued_leaves_after_keep_warm_s(monkeypatch):
         seq = await b.submit("a", trial(), "/runs/a", 1)
         got = await b.next_assignment(0, None)
         await b.finish(seq)
-        assert await b.next_assignment(0, got["seq"]) is None  # idle, but not for long yet
+        assert await b.next_assignment(0, got.seq) is None  # idle, but not for long yet
         await asyncio.sleep(0.25)
-        assert await b.next_assignment(0, got["seq"]) == {"retire": True}  # its resources go back to the cluster
+        assert await b.next_assignment(0, got.seq) == RETIRE  # its resources go back to the cluster
         await b.submit("b", trial(), "/runs/b", 1)  # a later trial gets a new group
         await settle()
         assert len([s for s in b.slots.values() if not s.retiring]) == 1
@@ -227,7 +228,7 @@ def test_close_retires_every_slot_and_waits_for_its_group_to_leave():
         assert sorted(b.slots) == [0, 1]
         closing = asyncio.ensure_future(b.close(wait_s=10))
         await settle()
-        assert await b.next_assignment(0, None) == {"retire": True}
+        assert await b.next_assignment(0, None) == RETIRE
         for end in fits.ends.values():  # the groups' fit() return once their workers have left
             end.set_result(None)
         assert await closing == 0
@@ -409,7 +410,7 @@ def test_a_checkpoint_waits_until_the_store_holds_every_earlier_epoch_and_close_
         await b2.next_assignment(0, seq_r)
         await b2.report(seq2, {"epoch": 1})
         assert await b2.recorded_through(seq2, 1, wait_s=0.05) is False
-        failure = (await b2.poll("b", seq2, 0, wait_s=0))["failure"]
+        failure = (await b2.poll("b", seq2, 0, wait_s=0)).failure
         assert "MLflow recorded none of the trial's epochs after 0" in failure.message and failure.kind == "infra"
 
     run(go())

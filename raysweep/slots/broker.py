@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from raysweep.failures import ERROR, INFRA, Failure, Kind
+from raysweep.protocol import RETIRE, Polled, Retire, Task
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class Broker:
         await self._changed()
         return a.seq
 
-    async def poll(self, trial_id: str, seq: int, since: int, wait_s: float = ASK_WAIT_S) -> dict:
+    async def poll(self, trial_id: str, seq: int, since: int, wait_s: float = ASK_WAIT_S) -> Polled:
         """Reports after the first `since`, once there are some or the trial is done (or `wait_s` passed)."""
         def ready():
             a = self.trials.get(trial_id)
@@ -136,10 +137,8 @@ class Broker:
         await self._wait(ready, wait_s)
         a = self.trials.get(trial_id)
         if a is None or a.seq != seq:
-            return {"reports": [], "done": True,
-                    "failure": Failure(INFRA, "superseded by a newer run of the same trial")}
-        return {"reports": a.reports[since:], "done": a.done, "failure": a.failure, "timeline": a.timeline,
-                "timeline_at": a.timeline_at, "restarts": a.restarts}
+            return Polled([], True, Failure(INFRA, "superseded by a newer run of the same trial"))
+        return Polled(a.reports[since:], a.done, a.failure, a.timeline, a.timeline_at, a.restarts)
 
     async def end(self, trial_id: str) -> None:
         """The driver ended the trial (ASHA stopped it, or it errored): its slot stops after the current epoch."""
@@ -158,9 +157,9 @@ class Broker:
 
     # -- the slot side (rank 0 of each slot's group; the controller's callback)
 
-    async def next_assignment(self, slot_id: int, after: int | None, group: str | None = None) -> dict | None:
-        """What the slot's group runs next: an assignment dict, {"retire": True} (leave: fit() returns), or None
-        (nothing yet: ask again). `after`: the last assignment this group took; None from a group that just
+    async def next_assignment(self, slot_id: int, after: int | None, group: str | None = None) -> Task | Retire | None:
+        """What the slot's group runs next: a Task, RETIRE (leave: fit() returns), or None (nothing yet: ask
+        again). `after`: the last assignment this group took; None from a group that just
         started, which resumes the trial its slot was running when a worker died. `group`: the asking group's own
         token: the same group asking again (its first answer was slow to come) is not a restart (None: every
         ask with `after` None is a new group's)."""
@@ -172,7 +171,7 @@ class Broker:
         while True:
             slot = self.slots.get(slot_id)
             if slot is None or slot.retiring:
-                return {"retire": True}
+                return RETIRE
             a = slot.current
             if a is not None and not a.done:
                 if a.cancelled:  # ended before (or while) this group held it: nothing to run
@@ -192,14 +191,13 @@ class Broker:
                     if not a.started:
                         slot.trials_taken += 1
                     a.started, a.group = True, group
-                    return {"seq": a.seq, "trial_id": a.trial_id, "trial": a.trial, "run_dir": a.run_dir,
-                            "slot_opened_at": slot.opened_at if first_on_slot else None}
+                    return Task(a.seq, a.trial_id, a.trial, a.run_dir, slot.opened_at if first_on_slot else None)
             left = deadline - time.monotonic()
             if left <= 0:
                 if self._idle_too_long(slot):  # tune.keep_warm_s: its resources go back to the cluster
                     slot.retiring = True
                     log.info("slot %d idle %.0f s with nothing queued: its group leaves", slot_id, self.keep_warm_s)
-                    return {"retire": True}
+                    return RETIRE
                 return None
             await self._wait_changed(left)
 

@@ -21,6 +21,7 @@ import torch
 from raysweep import layout, storage
 from raysweep.config import TrialConfig
 from raysweep.metrics import EAGER_FALLBACK, report_dict
+from raysweep.protocol import Retire, Task
 from raysweep.worker import compile_cache
 from raysweep.worker.device import release_trial_memory, setup_device
 from raysweep.worker.faults import FAULTS, TrialFailure
@@ -55,9 +56,9 @@ def slot_worker(config: dict) -> None:
         assignment = me.next_assignment(after)
         if assignment is None:
             continue  # nothing to run yet: ask again
-        if assignment.get("retire"):
+        if isinstance(assignment, Retire):
             return
-        fresh, after = after is None, assignment["seq"]
+        fresh, after = after is None, assignment.seq
         me.run_trial(assignment, fresh)
 
 
@@ -135,42 +136,42 @@ class SlotRank:
                 log.warning("slot %d: the sweep's broker has not answered in %.0f s; asking again (for up to %.0f s)",
                             self.slot, BROKER_ANSWER_S + wait_s, BROKER_STALL_S)
 
-    def next_assignment(self, after: int | None) -> dict | None:
+    def next_assignment(self, after: int | None) -> Task | Retire | None:
         """Every rank: what the group runs next (slots.Broker.next_assignment), as rank 0 heard it."""
         answer = (self.ask(lambda: self.broker.next_assignment.remote(self.slot, after, self.group), again=True)
                   if self.me.rank == 0 else None)
         return broadcast_object(answer, self.me.device)
 
-    def run_trial(self, assignment: dict, fresh: bool) -> None:
+    def run_trial(self, assignment: Task, fresh: bool) -> None:
         """Every rank: one assignment, start to end; then what it built goes and rank 0 tells the broker how it
         ended. `fresh`: the group's first trial (its start-up includes the group's)."""
         outcome = self._train(assignment, fresh)
         # the next trial starts as on a fresh group (no cycle keeps this one's model)
         release_trial_memory(self.me.device)
         if self.me.rank == 0:
-            self.ask(lambda: self.broker.finish.remote(assignment["seq"], outcome), again=True)
+            self.ask(lambda: self.broker.finish.remote(assignment.seq, outcome), again=True)
 
-    def _train(self, assignment: dict, fresh: bool):
+    def _train(self, assignment: Task, fresh: bool):
         """Build the trial, restore it from its folder's checkpoint, train it; returns how it failed (None: it did
         not). What it built is this call's alone: it goes when the call returns (tests/test_slot_memory.py)."""
         import ray.train.torch
 
         picked = time.time()
-        trial = TrialConfig.from_dict(assignment["trial"])
+        trial = TrialConfig.from_dict(assignment.trial)
         shards = self._shards(trial.image.num_classes)
         data_ready = time.time()
         run = TrainingRun.build(trial, None, self.me.rank, self.me.world_size, self.me.device,
                                 wrap=ray.train.torch.prepare_model, shards=shards)
         run.nodes = self.me.nodes
-        run_dir = assignment["run_dir"]
+        run_dir = assignment.run_dir
         start_epoch = run.restore(load_latest(run_dir, self.me.device), layout.read_clock(run_dir))
         stamps = {"model_ready": time.time()}
-        if fresh and assignment.get("slot_opened_at") is not None:  # the group was built for this trial
-            stamps.update(slot_asked=assignment["slot_opened_at"], group_started=self.group_started,
+        if fresh and assignment.slot_opened_at is not None:  # the group was built for this trial
+            stamps.update(slot_asked=assignment.slot_opened_at, group_started=self.group_started,
                           data_ready=data_ready)
         else:  # a warm group: it only had to hear of the trial
             stamps.update(slot_asked=picked, group_started=picked, data_ready=picked)
-        send = self._sender(run, run_dir, assignment["seq"], stamps)
+        send = self._sender(run, run_dir, assignment.seq, stamps)
         trained, failure = train_epochs(run, start_epoch, send, self.cache,
                                         on_probed=lambda: stamps.update(probed=time.time()), proven=self.proven)
         if trained:
