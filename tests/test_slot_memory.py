@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo  # before any trial, as device.setup_device in a worker: its import pins its caller's frames
 
+from raysweep.protocol import Task
 from raysweep.worker.device import release_trial_memory
 from raysweep.worker.run import TrainingRun
 from raysweep.worker.shard import Shard
@@ -98,10 +99,10 @@ def test_a_released_trial_gives_the_gpu_back_to_the_groups_baseline(device):
 
 
 class _Broker:
-    """Stand-in for the broker's handle: what the slot's rank 0 tells it (SlotRank.ask is the identity here)."""
+    """Stand-in for the broker's handle: what the slot's rank 0 tells it (SlotRank.ask just makes the call here)."""
 
     def __init__(self):
-        self.finished: list[tuple[int, dict | None]] = []
+        self.finished: list = []  # (seq, failures.Failure or None)
         self.finish = self  # broker.finish.remote(seq, outcome)
 
     def remote(self, seq, outcome):
@@ -131,12 +132,12 @@ def test_a_slots_failed_trial_goes_back_as_data_and_is_freed_by_reference_counti
     device, broker = torch.device("cpu"), _Broker()
     config = {"broker": broker, "slot": 0, "decision_wait_s": 1.0, "store_wait_s": 1.0}
     slot = entry.SlotRank(config, entry.Rank(0, 1, device, _data(64), "n1"), group_started=0.0)
-    slot.ask = lambda ref, wait_s=0.0: ref
+    slot.ask = lambda call, wait_s=0.0, again=False: call()
     trial = _trial(n=64, batch=16, epochs=1).to_dict()
     gc.collect()  # what earlier tests left in cycles is not this test's
     with no_cycle_collection():
-        slot.run_trial({"seq": 1, "trial_id": "a", "trial": trial, "run_dir": str(tmp_path)}, fresh=True)
+        slot.run_trial(Task(1, "a", trial, str(tmp_path)), fresh=True)
         alive = sorted(name for name, ref in held.items() if ref() is not None)
     assert held and not alive, f"kept alive after the trial ended (a reference cycle): {alive}"
     ((seq, outcome),) = broker.finished
-    assert seq == 1 and outcome["kind"] == "oom" and "downshifts" in outcome["message"]
+    assert seq == 1 and outcome.kind == "oom" and "downshifts" in outcome.message

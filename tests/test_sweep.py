@@ -142,11 +142,13 @@ def test_a_time_budget_sweep_with_asha_in_seconds_and_a_target(ray_cluster, tmp_
         else:
             assert child.info.status == "FINISHED" and (last == epochs or clock[last] >= 6.0)
         reached = [e for e in sorted(loss) if loss[e] <= 0.3]
-        if reached:  # interpolated between the epochs that straddle 0.3 (the first epoch: its own figures)
+        if reached:  # interpolated between the epochs that straddle 0.3
             e = reached[0]
-            expected = clock[e] if e == 1 else clock[e - 1] + (0.3 - loss[e - 1]) / (loss[e] - loss[e - 1]) * (
-                clock[e] - clock[e - 1])
-            assert child.data.metrics["time_to_target_s"] == pytest.approx(expected, rel=1e-6)
+            if e == 1:  # from the start of training (the untrained model's loss, 0.69, is not logged): inside epoch 1
+                assert 0 < child.data.metrics["time_to_target_s"] < clock[1]
+            else:
+                expected = clock[e - 1] + (0.3 - loss[e - 1]) / (loss[e] - loss[e - 1]) * (clock[e] - clock[e - 1])
+                assert child.data.metrics["time_to_target_s"] == pytest.approx(expected, rel=1e-6)
         else:
             assert "time_to_target_s" not in child.data.metrics
     assert set(resolved) == {4, 32}, resolved  # both batches ran

@@ -40,7 +40,8 @@ class Writer:
         """Wait until every write put so far is in the store, or the writer gave up (then raise why). Bounded: the
         write in progress ends by its deadline, and after a failure the rest are dropped without a call."""
         with self.queue.all_tasks_done:
-            deadline = time.monotonic() + self.retry_s + FLUSH_SLACK_S * (1 + self.queue.unfinished_tasks)
+            deadline = (time.monotonic() + self.retry_s + ATTEMPT_FLOOR_S
+                        + FLUSH_SLACK_S * (1 + self.queue.unfinished_tasks))
             while self.queue.unfinished_tasks and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:  # a guard only: each write gives up at its own deadline
@@ -69,9 +70,11 @@ class Writer:
     def _write(self, write) -> None:
         deadline, delay = time.monotonic() + self.retry_s, RETRY_FIRST_S
         while True:
-            try:
-                _attempt(write, deadline - time.monotonic(), self.name)
+            try:  # an attempt begun at the deadline still gets ATTEMPT_FLOOR_S: its own error beats "no answer"
+                _attempt(write, max(deadline - time.monotonic(), ATTEMPT_FLOOR_S), self.name)
                 return
+            except StoreTimeout:
+                raise
             except Exception as e:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -84,6 +87,7 @@ class Writer:
 
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 15.0  # a failed write's first wait, and the longest between two attempts
+ATTEMPT_FLOOR_S = 2.0  # the least an attempt is waited for (retry_s 0: one attempt, given this long)
 FLUSH_SLACK_S = 5.0  # what flush allows beyond retry_s for each queued write's bookkeeping (never a store call)
 
 
