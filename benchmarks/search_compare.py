@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from raysweep.cli import main  # noqa: E402
 from raysweep.metrics import FINISHED, PRUNED  # noqa: E402
 from raysweep.report.importance import time_attr, value_at  # noqa: E402
+from raysweep.search import startup_trials  # noqa: E402
 
 SEARCHES = ("random", "tpe")
 
@@ -90,6 +91,7 @@ def main_benchmark() -> None:
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--set", dest="sets", action="append", default=[], help="more --set overrides for every sweep")
+    parser.add_argument("--searches", nargs="+", default=list(SEARCHES), choices=SEARCHES)
     args = parser.parse_args()
 
     import ray
@@ -101,14 +103,25 @@ def main_benchmark() -> None:
     rung = float(load_config(args.spec, args.sets).tune.asha.grace_period)  # ASHA's first rung, in its unit
     kinds = {"finished": None, "first rung": rung}
     curves: dict = {}
+    failed_late: dict = {}  # (search, seed) → trials drawn after the start-up ones that failed (oom, diverged, …)
+    fastest: dict = {}  # (search, seed) → the fastest time to tune.target (None: no target, or none reached it)
     with tempfile.TemporaryDirectory(prefix="search_compare-") as tmp:
         for seed in args.seeds:
-            for search in SEARCHES:
+            for search in args.searches:
                 record, wall = run_sweep(Path(args.spec), search, seed, args.trials, Path(tmp) / f"{search}-{seed}",
                                          args.sets)
                 counts = {s: sum(t.status == s for t in record.trials) for s in ("finished", "pruned", "failed")}
                 print(f"{search:6} seed {seed}: {args.trials} trials ({counts['finished']} finished, "
                       f"{counts['pruned']} pruned, {counts['failed']} failed) in {wall:.0f} s", flush=True)
+                late = record.trials[startup_trials(args.trials):]  # what TPE drew from its model
+                kinds_failed = [t.failure for t in late if t.status == "failed"]
+                reached = [t.last("time_to_target_s") for t in record.trials if t.last("time_to_target_s") is not None]
+                print(f"    after the {startup_trials(args.trials)} start-up trials: {len(late)} drawn, "
+                      f"{len(kinds_failed)} failed ({', '.join(sorted(map(str, kinds_failed))) or 'none'})"
+                      + (f"; target reached by {len(reached)} of {len(record.trials)}, fastest "
+                         f"{min(reached):.1f} s" if record.target else ""), flush=True)
+                failed_late[search, seed] = len(kinds_failed)
+                fastest[search, seed] = min(reached) if reached else None
                 for kind, at in kinds.items():
                     curve = best_so_far(record, at)
                     curves[kind, search, seed] = (curve, wall)
@@ -118,14 +131,20 @@ def main_benchmark() -> None:
     ray.shutdown()
 
     result = [f"RESULT search_compare trials={args.trials} seeds={len(args.seeds)} metric={metric}"]
+    for search in args.searches:
+        result.append(f"{search}_failed_after_startup={sum(failed_late[search, seed] for seed in args.seeds)}")
+        times = [fastest[search, seed] for seed in args.seeds if fastest[search, seed] is not None]
+        if times:
+            result.append(f"{search}_fastest_to_target_median={statistics.median(times):.1f}")
     for kind in kinds:
         print(f"\n{metric} ({kind}) after {args.trials} trials, seeds {args.seeds}:")
-        for search in SEARCHES:
+        for search in args.searches:
             finals = [curves[kind, search, seed][0][-1] for seed in args.seeds]
             finals = [v for v in finals if v is not None]
             walls = [curves[kind, search, seed][1] for seed in args.seeds]
-            reach = [trials_to(curves[kind, search, seed][0], curves[kind, "random", seed][0][-1], mode)
-                     if curves[kind, "random", seed][0][-1] is not None else None for seed in args.seeds]
+            base = "random" if "random" in args.searches else search
+            reach = [trials_to(curves[kind, search, seed][0], curves[kind, base, seed][0][-1], mode)
+                     if curves[kind, base, seed][0][-1] is not None else None for seed in args.seeds]
             median = statistics.median(finals) if finals else float("nan")
             print(f"  {search:6}: median {median:.4f} (range {min(finals, default=math.nan):.4f}-"
                   f"{max(finals, default=math.nan):.4f}); trials to random's best, per seed: "
