@@ -94,7 +94,7 @@ class ConsoleProgress:
                   f"and another dropout stream than its compiled peers; MLflow tag raysweep.eager_fallback", flush=True)
         if M.startup_s in result and trial_id not in self.startups:
             self.startups[trial_id] = {k: float(result[k]) for k in STARTUP_NAMES if k in result}
-            line = startup_line(self.startups[trial_id])
+            line = startup_line(self.startups[trial_id]) + placed_on(result.get(M.nodes))
             print(line if self.per_epoch else f"[{now()}] up     {trial_id}: {line}", flush=True)
         if self.per_epoch:
             print(epoch_line(result, int(result.get(M.resolved_epochs, self.epochs))), flush=True)
@@ -184,6 +184,10 @@ def print_search(line: str) -> None:
 
 def print_waiting(line: str) -> None:
     print(f"plan: {line}", flush=True)
+
+
+def print_cluster(line: str) -> None:
+    print(f"cluster: {line}", flush=True)
 
 
 def print_data(data, spec: DataConfig) -> None:
@@ -294,6 +298,19 @@ def startup_line(phases: dict) -> str:
     parts = " · ".join(f"{name.removeprefix('startup_').removesuffix('_s')} {phases.get(name, 0):.1f}"
                        for name, _ in STARTUP_PHASES)
     return f"started in {phases[M.startup_s]:.1f}s ({parts})"
+
+
+def placed_on(node_ids: str | None) -> str:
+    """The end of a trial's "up" line, e.g. " on 10.0.0.11×3": the machines its ranks run on, by IP in rank order
+    (WorkerParams.nodes holds Ray node ids); a node Ray no longer lists keeps its id. Empty where Ray is not up."""
+    import ray
+
+    if not node_ids or not ray.is_initialized():
+        return ""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    machines = [ips.get(node, node[:8]) for node in node_ids.split(",")]
+    counts = {ip: machines.count(ip) for ip in machines}
+    return " on " + ", ".join(f"{ip}×{n}" if n > 1 else ip for ip, n in counts.items())
 
 
 def print_busy(busy: float, wall_s: float, slots: int, startups: dict[str, dict]) -> None:

@@ -59,6 +59,9 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
     started_ray = connect(address, config.scaling.worker_start_timeout_s, verbose)
     sweep = Sweep(config, where, single)
     try:
+        if address:  # a cluster of machines: all of them up, and one storage_path that every one sees
+            from raysweep import console, nodes
+            nodes.check_cluster(where.storage_root, console.print_cluster)
         sweep.start(cap_batch)  # the plan, the data, the broker (its groups start building), ASHA
         sweep.open_runs(resumed)  # the parent run: new, or taken over (--resume)
         with tracking.Heartbeat(where.tracking_uri, sweep.parent_run_id):

@@ -245,3 +245,32 @@ def test_sweep_on_a_multi_node_cluster_survives_a_lost_node(ray_cluster, three_n
     assert epochs[-1] == 4 and len(set(epochs)) < len(epochs), f"no epoch reported again: {restarted}"
     # checkpoints went to storage_path, on the driver's machine here (shared storage on real machines)
     assert list((tmp_path / "results" / "t" / "train").glob("trial-*/checkpoint_*/state.pt"))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_machine_the_cluster_file_lists_that_never_joins_is_named_after_the_stated_wait(ray_cluster, tmp_path):
+    import ray
+    import yaml
+
+    from raysweep import nodes
+    from raysweep.errors import UserError
+
+    here = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})
+    bootstrap = tmp_path / "ray_bootstrap_config.yaml"  # as `ray up` leaves it on the head (provider: local)
+    bootstrap.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": here[0],
+                                                      "worker_ips": ["192.0.2.11"]}}))  # TEST-NET: never contacted
+    said = []
+    started = time.monotonic()
+    with pytest.raises(UserError) as refused:
+        nodes.wait_for_listed(said.append, str(bootstrap), wait_s=3, poll_s=0.5)
+    assert 3 <= time.monotonic() - started < 30
+    assert f"1 of the 2 machines listed in {bootstrap} joined in 3 s; 192.0.2.11 did not" in str(refused.value)
+    assert said and "192.0.2.11" in said[0]
+    # every listed machine up: no wait; a cloud provider's file (it scales on demand) or none: nothing to wait for
+    bootstrap.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": here[0], "worker_ips": []}}))
+    nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0)
+    bootstrap.write_text(yaml.safe_dump({"provider": {"type": "aws", "region": "us-west-2"}}))
+    nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0)
+    nodes.wait_for_listed(said.append, str(tmp_path / "none.yaml"), wait_s=0)
+    assert len(said) == 1

@@ -1,0 +1,122 @@
+"""What a sweep across machines needs of them, checked once it has joined the cluster and before any trial starts:
+every machine the cluster file lists is up, and `storage_path` is one place that every machine reads and writes.
+
+A machine left out of the cluster is silent in Ray (its autoscaler keeps retrying, `ray status` shows no failure),
+and a trial whose checkpoints went to one machine's own disk cannot continue on another: both are found here, and
+said in one line, instead of in a sweep that waits for ever or a resume that starts a trial over.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+from raysweep import storage
+from raysweep.errors import UserError
+
+# `ray up` writes the cluster file it brought the head up from here, on the head (the autoscaler's
+# `--autoscaling-config`; ray/autoscaler/_private/commands.py, get_or_create_head_node)
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
+JOIN_WAIT_S = 180.0  # how long a sweep waits for the machines the cluster file lists (the monitor adds one per 5 s)
+JOIN_SAY_EVERY_S = 30.0
+SHARED_CHECK_S = 60.0  # a node's reader task (a worker process to start, one small file to read) ends within this
+MARKER = ".raysweep-shared-check"
+
+
+def listed_ips(path: str = BOOTSTRAP_CONFIG) -> list[str]:
+    """The machines a `ray up` of `provider: local` lists (head_ip, then worker_ips), read from the head's copy of
+    the cluster file; [] where there is none (a `ray start` by hand, a cloud provider that scales on demand)."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        return []
+    provider = (yaml.safe_load(file.read_text()) or {}).get("provider") or {}
+    if provider.get("type") != "local" or "worker_ips" not in provider:
+        return []
+    return list(dict.fromkeys(ip for ip in [provider.get("head_ip"), *provider["worker_ips"]] if ip))
+
+
+def _alive_ips() -> set[str]:
+    import ray
+
+    return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+
+
+def wait_for_listed(say, path: str = BOOTSTRAP_CONFIG, wait_s: float = JOIN_WAIT_S, poll_s: float = 2.0) -> None:
+    """Wait until every machine the cluster file lists has joined; a UserError naming the missing ones after
+    `wait_s`. `say(line)`: what it waits for, once and then every JOIN_SAY_EVERY_S."""
+    listed = listed_ips(path)
+    if not listed:
+        return
+    started = said = time.monotonic()
+    first = True
+    while True:
+        missing = [ip for ip in listed if ip not in _alive_ips()]
+        if not missing:
+            return
+        waited = time.monotonic() - started
+        if waited >= wait_s:
+            raise UserError(
+                f"cluster: {len(listed) - len(missing)} of the {len(listed)} machines listed in {path} joined in "
+                f"{wait_s:.0f} s; {', '.join(missing)} did not. On the machine you ran `ray up` from, "
+                f"`ray monitor cluster.yaml` shows why (SSH, the setup commands, `ray start`)")
+        if first or time.monotonic() - said >= JOIN_SAY_EVERY_S:
+            say(f"waiting up to {wait_s - waited:.0f} s more for {len(missing)} of the {len(listed)} machines listed "
+                f"in {path}: {', '.join(missing)}")
+            said, first = time.monotonic(), False
+        time.sleep(poll_s)
+
+
+def _read_marker(location: str) -> str | None:
+    """On one node: what it reads at `location` (None where it has no such file)."""
+    try:
+        return storage.read_text(location)
+    except Exception as e:  # noqa: BLE001 - a node that cannot reach the store at all says so, in the driver's line
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def check_shared(storage_root: str, key: str = "storage_path", wait_s: float = SHARED_CHECK_S) -> None:
+    """On a cluster of more than one node, every node must see `storage_root` as this driver does: each slot's rank 0
+    writes its trials' checkpoints there, and a trial retried or resumed on another machine reads them there. The
+    driver writes a file with a fresh token; a task pinned to each node reads it back. A node that reads nothing,
+    or another token, is refused in one line naming the fix."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) < 2:
+        return
+    token = uuid.uuid4().hex
+    marker = storage.join(storage_root, f"{MARKER}-{token[:8]}")
+    try:
+        storage.write_text(marker, token)
+    except Exception as e:  # noqa: BLE001 - the driver's own store is refused with its cause
+        raise UserError(f"{key} {storage_root}: cannot write there ({type(e).__name__}: {e})") from e
+    try:
+        read = ray.remote(num_cpus=0, max_retries=0)(_read_marker)
+        refs = {n["NodeManagerAddress"] + f" ({n['NodeID'][:8]})":
+                read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(marker)
+                for n in nodes}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
+        seen = {name: (ray.get(ref) if ref in ready else f"no answer in {wait_s:.0f} s") for name, ref in refs.items()}
+    finally:
+        try:
+            storage.delete(marker)
+        except Exception:  # noqa: BLE001, S110 - a marker left behind is harmless (a new token every time)
+            pass
+    blind = {name: got for name, got in seen.items() if got != token}
+    if blind:
+        where = "this machine's own disk" if not storage.is_uri(storage_root) else "a store they cannot read"
+        how = "; ".join(f"{name}: {'no such file' if got is None else got}" for name, got in sorted(blind.items()))
+        raise UserError(
+            f"{key} {storage_root} is {where}: {len(blind)} of the {len(seen)} nodes do not see the file this driver "
+            f"wrote there ({how}). A sweep across machines needs storage every machine sees: an NFS folder mounted at "
+            f"the same path on each, or s3://bucket/path")
+
+
+def check_cluster(storage_root: str, say) -> None:
+    """Both checks, in order (the machines first: the storage check reads on every node that has joined)."""
+    wait_for_listed(say)
+    check_shared(storage_root)
