@@ -277,7 +277,11 @@ def test_cluster_yaml_passes_rays_own_validation():
     # token authentication: every `ray start` runs in token mode, and the token (in ~/.ray, never in the
     # repository) reaches every node; a head without it is open, a worker without it cannot join
     starts = [c for c in raw["head_start_ray_commands"] + raw["worker_start_ray_commands"] if "ray start" in c]
-    assert len(starts) == 2 and all("export RAY_AUTH_MODE=token;" in c.split("ray start")[0] for c in starts)
+    exports = [c.split("ray start")[0].split("export ")[-1] for c in starts]
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token" in e.split(";")[0].split() for e in exports)
+    # autoscaler v1 (every listed machine joins: v2 left one out; tests/test_ray_up.py): the head's export must come
+    # after the `export RAY_enable_autoscaler_v2=1;` that `ray up` puts in front of its start commands
+    assert "RAY_enable_autoscaler_v2=0" in exports[0].split(";")[0].split()
     assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     # and the nodes' shells (README's `ray exec ... --address auto`): raysweep sets no mode with --address
     assert any("export RAY_AUTH_MODE=token" in c and "~/.bashrc" in c for c in raw["initialization_commands"])
