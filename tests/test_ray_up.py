@@ -1,0 +1,274 @@
+"""`ray up cluster.yaml` on machines of our own (tests/hosts.py: a head and two workers, each its own network, PIDs,
+/tmp, /dev/shm and home, reached over SSH), driven as a user drives it from a launcher with its own home, token and
+key. The repository's cluster.yaml is used with only its placeholders and its setup commands replaced (this
+machine reaches no CUDA wheel index; the hosts already have the pinned Ray and torch, and import the synced copy
+of the project, ~/raysweep).
+
+In order: every listed machine joins (autoscaler v1, cluster.yaml); a client without the token is refused; a sweep
+with the spec's local storage_path is refused; the README's `tune` through `ray exec` on a folder every host sees
+runs its trials across the machines; `ray attach -p 5000` forwards the MLflow UI; a worker machine lost mid-sweep
+costs its trial a restart from its checkpoint elsewhere, not the trial; `ray down` leaves no Ray process anywhere.
+Every step has a deadline, and the hosts are removed whatever happens (the module's fixture).
+
+`-m "not hosts"` skips it (about N minutes here, most of it Ray starting on 2 shared cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from hosts import SHARED_MOUNT, Hosts, missing_tools
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.hosts
+
+BIN = Path(sys.executable).parent
+PLACEHOLDERS = {"provider": ("head_ip", "worker_ips"), "auth": ("ssh_user", "ssh_private_key"), "setup_commands": ()}
+# Ray's daemons, agents, workers and `ray start --block` (not `mlflow ui`)
+RAY_PROCESS = re.compile(r"/ray/|ray::|raylet|gcs_server|bin/ray ")
+# the quickstart made small: 3 trials of 2 epochs on 256 images, 3 hosts × 2 CPUs → 3 at once, one per machine
+SMALL = ("--set tune.num_samples=3 --set train.epochs=2 --set tune.asha.grace_period=1 "
+         "--set search.warmup_epochs.randint=[0,1] --set data.synthetic.train_size=256 "
+         "--set data.synthetic.val_size=64 --progress-every 5")
+SHARED_RESULTS = f"{SHARED_MOUNT}/results"
+
+
+class Launcher:
+    """The machine `ray up` runs on: its own home (~/.ray/auth_token, the key), its own TMPDIR (the local
+    provider's state), the repository as its working directory (cluster.yaml's `file_mounts: {~/raysweep: .}`)."""
+
+    def __init__(self, home: Path, cluster_file: Path):
+        self.home, self.cluster_file = home, cluster_file
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_", "PYTHON"))}
+        self.env.update(HOME=str(home), TMPDIR=str(home / "tmp"), RAY_USAGE_STATS_ENABLED="0",
+                        PATH=f"{BIN}:{os.environ['PATH']}")
+
+    def ray(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        print(f"$ ray {' '.join(args)[:200]}  → {done.returncode}\n{done.stdout[-4000:]}{done.stderr[-2000:]}")
+        return done
+
+    def exec(self, command: str, timeout: float) -> subprocess.CompletedProcess:
+        return self.ray("exec", str(self.cluster_file), command, timeout=timeout)
+
+    def popen_exec(self, command: str, log: Path) -> subprocess.Popen:
+        with open(log, "w") as out:
+            return subprocess.Popen([str(BIN / "ray"), "exec", str(self.cluster_file), command], cwd=ROOT,
+                                    env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def users_cluster_file(hosts: Hosts, key: Path) -> dict:
+    """The repository's cluster.yaml with only its placeholders and setup commands replaced."""
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    ours = copy.deepcopy(raw)
+    ours["provider"].update(head_ip=hosts.hosts[0].ip, worker_ips=[h.ip for h in hosts.hosts[1:]])
+    ours["auth"].update(ssh_user="root", ssh_private_key=str(key))
+    # the hosts have the pinned Ray and torch; what they must show is that they run the synced project
+    ours["setup_commands"] = [
+        "python3 -c 'import os, ray, torch, raysweep; assert ray.__version__.startswith(\"2.60.\"), ray.__version__; "
+        "assert raysweep.__file__.startswith(os.path.expanduser(\"~/raysweep/\")), raysweep.__file__'"]
+    for section, keys in PLACEHOLDERS.items():  # every other key is the file's
+        if keys:
+            assert {k: v for k, v in ours[section].items() if k not in keys} == \
+                   {k: v for k, v in raw[section].items() if k not in keys}
+    assert {k: v for k, v in ours.items() if k not in PLACEHOLDERS} == \
+           {k: v for k, v in raw.items() if k not in PLACEHOLDERS}
+    return ours
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if missing := missing_tools():  # .ci/run installs them and sets RAYSWEEP_REQUIRE_HOSTS=1: there, a failure
+        message = f"making hosts needs {', '.join(missing)}"
+        if os.environ.get("RAYSWEEP_REQUIRE_HOSTS") == "1":
+            pytest.fail(f"{message}; RAYSWEEP_REQUIRE_HOSTS=1 (set by .ci/run, which installs them)")
+        pytest.skip(message)
+    base = tmp_path_factory.mktemp("hosts")
+    shared = base / "shared"
+    shared.mkdir()
+    bashrc = "export PYTHONPATH=$HOME/raysweep RAY_USAGE_STATS_ENABLED=0\n"
+    with Hosts(base, 3, shared=shared, bashrc=bashrc) as hosts:
+        home = base / "launcher"
+        (home / "tmp").mkdir(parents=True)
+        (home / ".ssh").mkdir(mode=0o700)
+        key = home / ".ssh" / "id_ed25519"
+        key.write_bytes(hosts.key.read_bytes())
+        key.chmod(0o600)
+        cluster_file = base / "cluster.yaml"
+        # an absolute path: ssh expands `~` in -i from the passwd entry (/root here), not from $HOME
+        cluster_file.write_text(yaml.safe_dump(users_cluster_file(hosts, key)))
+        launcher = Launcher(home, cluster_file)
+        made = launcher.ray("get-auth-token", "--generate", timeout=60)  # the README's step, on the launcher
+        assert (home / ".ray" / "auth_token").is_file(), made.stderr
+        launcher.hosts, launcher.shared = hosts, shared
+        try:
+            yield launcher
+        finally:
+            for host in hosts.hosts:  # what each host's Ray logged, for a failure's cause
+                logs = host.root / "tmp" / "ray" / "session_latest" / "logs"
+                for name in ("monitor.log", "monitor.out"):
+                    if (logs / name).is_file():
+                        print(f"--- {host.name} {name}\n{(logs / name).read_text()[-3000:]}")
+
+
+def alive_nodes(launcher: Launcher) -> list[dict]:
+    done = launcher.exec("python3 -c 'import json, ray; ray.init(address=\"auto\", logging_level=\"ERROR\"); "
+                         "print(\"NODES\", json.dumps([n for n in ray.nodes() if n[\"Alive\"]]))'", timeout=120)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("NODES ")), None)
+    return json.loads(line.removeprefix("NODES ")) if line else []
+
+
+@pytest.mark.timeout(600)
+def test_ray_up_brings_up_every_listed_machine(cluster):
+    started = time.monotonic()
+    up = cluster.ray("up", "-y", "--no-config-cache", str(cluster.cluster_file), timeout=420)
+    assert up.returncode == 0, up.stderr[-3000:]
+    listed = {h.ip for h in cluster.hosts.hosts}
+    deadline = time.monotonic() + 240  # the monitor adds a listed worker each 5 s; each needs SSH, rsync, ray start
+    while True:
+        nodes = alive_nodes(cluster)
+        joined = {n["NodeManagerAddress"] for n in nodes}
+        if joined == listed:
+            break
+        assert time.monotonic() < deadline, f"joined: {sorted(joined)} of {sorted(listed)}"
+        time.sleep(5)
+    print(f"all {len(listed)} machines up {time.monotonic() - started:.0f} s after `ray up` began")
+    head = next(n for n in nodes if n["NodeManagerAddress"] == cluster.hosts.hosts[0].ip)
+    assert head["Resources"].get("trial_driver") == 8
+    assert all("trial_driver" not in n["Resources"] for n in nodes if n is not head)
+
+
+@pytest.mark.timeout(180)
+def test_a_client_without_the_token_is_refused(cluster, tmp_path):
+    env = {**cluster.env, "HOME": str(tmp_path)}  # no ~/.ray/auth_token, no RAY_AUTH_MODE
+    done = subprocess.run([sys.executable, "-m", "raysweep", "train", "search_spaces/quickstart.yaml", "--address",
+                           f"{cluster.hosts.hosts[0].ip}:6379"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 2 and "token authentication" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_storage_path_only_the_head_sees_is_refused(cluster):
+    command = f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL}"
+    done = cluster.exec(command, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "2 of the 3 nodes do not see the file" in out and "s3://" in out, out[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_sweep_on_shared_storage_runs_across_the_machines(cluster):
+    command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
+               f"--set storage_path={SHARED_RESULTS}")
+    done = cluster.exec(command, timeout=840)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    assert re.search(r"sweep: 3 trials in \d+s: (\d) finished, (\d) pruned by ASHA, 0 failed", out), out[-3000:]
+    placed = re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", out, re.M)
+    print("where each trial's ranks ran:\n" + "\n".join(f"  {trial} on {ip}" for trial, ip in placed))
+    assert len(placed) == 3 and len({ip for _, ip in placed}) >= 2, placed  # 2 CPUs a machine: one group each
+    # every trial's checkpoints are in the one folder every machine sees, wherever its ranks ran
+    trials = {p.parent.parent.name for p in cluster.shared.glob("results/quickstart/train/*/checkpoint_*/state.pt")}
+    assert len(trials) == 3, sorted(str(p) for p in cluster.shared.rglob("*"))[:50]
+
+
+@pytest.mark.timeout(300)
+def test_ray_attach_forwards_the_mlflow_ui(cluster):
+    started = cluster.exec("cd ~/raysweep && (nohup mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000 "
+                           "> /tmp/mlflow-ui.log 2>&1 &) && sleep 1", timeout=60)
+    assert started.returncode == 0
+    attach = subprocess.Popen([str(BIN / "ray"), "attach", str(cluster.cluster_file), "-p", "5000"], cwd=ROOT,
+                              env=cluster.env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline, body = time.monotonic() + 120, None
+        while body is None:
+            assert attach.poll() is None, f"ray attach exited {attach.returncode}"
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:5000/health", timeout=5) as answer:
+                    body = answer.read().decode()
+            except OSError:
+                assert time.monotonic() < deadline, "no answer on 127.0.0.1:5000 through `ray attach -p 5000`"
+                time.sleep(1)
+        assert body.strip() == "OK"
+    finally:
+        attach.terminate()
+        attach.wait(timeout=30)
+        cluster.exec("pkill -f '[m]lflow ui' || true", timeout=60)  # on the head only: its own PID namespace
+
+
+@pytest.mark.timeout(900)
+def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(cluster, tmp_path):
+    log = tmp_path / "sweep.log"
+    command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
+               f"--set train.epochs=6 --set tune.asha.grace_period=6 --set name=lost-machine "
+               f"--set storage_path={SHARED_RESULTS}")
+    sweep = cluster.popen_exec(command, log)
+    workers = {h.ip: h for h in cluster.hosts.hosts[1:]}
+    try:
+        deadline, lost = time.monotonic() + 400, None
+        trials = cluster.shared / "results" / "lost-machine" / "train"
+        while lost is None:  # a trial training on a worker machine, past its first epoch (a checkpoint to go back to)
+            text = log.read_text()
+            assert sweep.poll() is None, text[-4000:]
+            assert time.monotonic() < deadline, text[-4000:]
+            up = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", text, re.M))
+            for trial, ip in up.items():
+                if ip in workers and any(trials.glob(f"trial-{trial}/checkpoint_*")):
+                    lost = (trial, workers[ip])
+            time.sleep(0.5)
+        trial, host = lost
+        print(f"powering off {host.name} ({host.ip}) while {trial} trains there")
+        host.power_off()
+        sweep.wait(timeout=780)
+        out = log.read_text()
+        print(out[-6000:])
+        assert sweep.returncode == 0, out[-4000:]
+        assert re.search(r"sweep: 3 trials in \d+s: \d finished, \d pruned by ASHA, 0 failed", out), out[-3000:]
+        # Tune's result log of the lost trial (on the shared folder): a new worker group took over, off the lost
+        # machine, from a checkpoint (its first report replays the checkpoint's own, with the old group's nodes)
+        log_file = next(cluster.shared.glob(f"results/lost-machine/*{trial}*/result.json"))
+        reports = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+        groups, epochs = [r["nodes"] for r in reports], [int(r["epoch"]) for r in reports]
+        print(f"{trial}'s reports (epoch, first 8 characters of each rank's node id):",
+              [(e, [n[:8] for n in g.split(",")]) for e, g in zip(epochs, groups, strict=True)])
+        taken_over = groups.index(groups[-1])
+        assert 0 < taken_over and epochs[taken_over] > 1 and epochs[-1] == 6, list(zip(epochs, groups, strict=True))
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait(timeout=30)
+
+
+@pytest.mark.timeout(420)
+def test_ray_down_leaves_no_ray_process_on_any_machine(cluster):
+    down = cluster.ray("down", "-y", str(cluster.cluster_file), timeout=180)
+    assert down.returncode == 0
+    # `ray down` stops Ray on the head only (the local provider contacts no worker: ray #17022); a worker's raylet
+    # exits once it has lost the head's GCS for gcs_rpc_server_reconnect_timeout_s (60 s by default)
+    deadline = time.monotonic() + 180
+    while left := {h.name: [p for p in h.pids() if RAY_PROCESS.search(_cmdline(p))] for h in cluster.hosts.hosts}:
+        left = {name: pids for name, pids in left.items() if pids}
+        if not left:
+            break
+        assert time.monotonic() < deadline, {n: [_cmdline(p)[:120] for p in pids] for n, pids in left.items()}
+        time.sleep(2)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
