@@ -142,3 +142,13 @@ def test_a_runs_ending_is_written_and_read_back_through_one_encoding_and_a_reope
         run = client.get_run(child)
         assert outcome_of_run(run.info.status, run.data.tags) == child_outcome
         assert run.data.tags.get("failure") == kind and run.data.tags["error"] == "the driver was lost"
+        assert client.get_run(parent).info.status == status
+    # a sweep that ran to its end: the parent FINISHED with none of the ending tags (the refactor to one encoding
+    # ended it KILLED + interrupted: every finished sweep read as interrupted), its finished children untouched
+    parent = client.create_run(experiment).info.run_id
+    done = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+    end_run(client, done, run_ending(FINISHED))
+    end_sweep(str(client.tracking_uri), parent, "FINISHED")
+    run = client.get_run(parent)
+    assert run.info.status == "FINISHED" and not set(run.data.tags) & set(ENDING_TAGS), run.data.tags
+    assert client.get_run(done).info.status == "FINISHED"

@@ -8,7 +8,16 @@ import time
 from raysweep import drivers
 from raysweep.errors import UserError
 from raysweep.failures import INFRA
-from raysweep.metrics import ENDING_TAGS, ERROR_TAG_CHARS, FAILED, INTERRUPTED, TAG_ERROR, RunEnding, run_ending
+from raysweep.metrics import (
+    ENDING_TAGS,
+    ERROR_TAG_CHARS,
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
+    TAG_ERROR,
+    RunEnding,
+    run_ending,
+)
 from raysweep.tracking.store import _artifact_text, _set_tags, sqlite_path
 
 
@@ -87,8 +96,9 @@ def end_run(client, run_id: str, ending: RunEnding) -> None:
 
 
 def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | None = None) -> None:
-    """End a sweep with `status`, and its children still RUNNING: FAILED with it, else KILLED + interrupted (a
-    resume sets them RUNNING again); `error` (the cause) as a tag on each. Children that ended keep their verdict."""
+    """End a sweep with `status` (FINISHED: it ran to its end; KILLED: interrupted; FAILED), and its children still
+    RUNNING: FAILED with it, else KILLED + interrupted (a resume sets them RUNNING again); `error` (the cause) as a
+    tag on each. Children that ended keep their verdict."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -101,6 +111,8 @@ def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | N
         parent = RunEnding("FAILED", {TAG_ERROR: error[:ERROR_TAG_CHARS]} if error else {})
     else:  # interrupted: `tune --resume` sets them RUNNING again
         child = parent = run_ending(INTERRUPTED, error=error)
+        if status == "FINISHED":  # the sweep ran to its end (a child still RUNNING there was cut off with it)
+            parent = run_ending(FINISHED)
     for c in children:
         end_run(client, c.info.run_id, child)
     end_run(client, parent_run_id, parent)
