@@ -10,7 +10,8 @@ runs its trials across the machines; `ray attach -p 5000` forwards the MLflow UI
 costs its trial a restart from its checkpoint elsewhere, not the trial; `ray down` leaves no Ray process anywhere.
 Every step has a deadline, and the hosts are removed whatever happens (the module's fixture).
 
-`-m "not hosts"` skips it (about N minutes here, most of it Ray starting on 2 shared cores).
+`-m "not hosts"` skips it (about N minutes here, most of it Ray starting on 2 shared cores). Without a cluster (the
+first test failed) the others fail at once.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def cluster(tmp_path_factory):
         made = launcher.ray("get-auth-token", "--generate", timeout=60)  # the README's step, on the launcher
         assert (home / ".ray" / "auth_token").is_file(), made.stderr
         launcher.hosts, launcher.shared = hosts, shared
+        launcher.up = False  # the first test sets it: the rest fail at once without a cluster, not at their deadlines
         try:
             yield launcher
         finally:
@@ -133,8 +135,8 @@ def alive_nodes(launcher: Launcher) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_ray_up_brings_up_every_listed_machine(cluster):
     started = time.monotonic()
-    up = cluster.ray("up", "-y", "--no-config-cache", str(cluster.cluster_file), timeout=420)
-    assert up.returncode == 0, up.stderr[-3000:]
+    brought = cluster.ray("up", "-y", "--no-config-cache", str(cluster.cluster_file), timeout=420)
+    assert brought.returncode == 0, brought.stderr[-3000:]
     listed = {h.ip for h in cluster.hosts.hosts}
     deadline = time.monotonic() + 240  # the monitor adds a listed worker each 5 s; each needs SSH, rsync, ray start
     while True:
@@ -148,31 +150,39 @@ def test_ray_up_brings_up_every_listed_machine(cluster):
     head = next(n for n in nodes if n["NodeManagerAddress"] == cluster.hosts.hosts[0].ip)
     assert head["Resources"].get("trial_driver") == 8
     assert all("trial_driver" not in n["Resources"] for n in nodes if n is not head)
+    cluster.up = True
+
+
+@pytest.fixture
+def up(cluster):
+    if not cluster.up:
+        pytest.fail("the cluster is not up: see test_ray_up_brings_up_every_listed_machine")
+    return cluster
 
 
 @pytest.mark.timeout(180)
-def test_a_client_without_the_token_is_refused(cluster, tmp_path):
-    env = {**cluster.env, "HOME": str(tmp_path)}  # no ~/.ray/auth_token, no RAY_AUTH_MODE
+def test_a_client_without_the_token_is_refused(up, tmp_path):
+    env = {**up.env, "HOME": str(tmp_path)}  # no ~/.ray/auth_token, no RAY_AUTH_MODE
     done = subprocess.run([sys.executable, "-m", "raysweep", "train", "search_spaces/quickstart.yaml", "--address",
-                           f"{cluster.hosts.hosts[0].ip}:6379"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           f"{up.hosts.hosts[0].ip}:6379"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=150)
     assert done.returncode == 2 and "token authentication" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.timeout(300)
-def test_a_storage_path_only_the_head_sees_is_refused(cluster):
+def test_a_storage_path_only_the_head_sees_is_refused(up):
     command = f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL}"
-    done = cluster.exec(command, timeout=240)
+    done = up.exec(command, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert "2 of the 3 nodes do not see the file" in out and "s3://" in out, out[-3000:]
 
 
 @pytest.mark.timeout(900)
-def test_a_sweep_on_shared_storage_runs_across_the_machines(cluster):
+def test_a_sweep_on_shared_storage_runs_across_the_machines(up):
     command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
                f"--set storage_path={SHARED_RESULTS}")
-    done = cluster.exec(command, timeout=840)
+    done = up.exec(command, timeout=840)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-5000:]
     assert re.search(r"sweep: 3 trials in \d+s: (\d) finished, (\d) pruned by ASHA, 0 failed", out), out[-3000:]
@@ -180,17 +190,17 @@ def test_a_sweep_on_shared_storage_runs_across_the_machines(cluster):
     print("where each trial's ranks ran:\n" + "\n".join(f"  {trial} on {ip}" for trial, ip in placed))
     assert len(placed) == 3 and len({ip for _, ip in placed}) >= 2, placed  # 2 CPUs a machine: one group each
     # every trial's checkpoints are in the one folder every machine sees, wherever its ranks ran
-    trials = {p.parent.parent.name for p in cluster.shared.glob("results/quickstart/train/*/checkpoint_*/state.pt")}
-    assert len(trials) == 3, sorted(str(p) for p in cluster.shared.rglob("*"))[:50]
+    trials = {p.parent.parent.name for p in up.shared.glob("results/quickstart/train/*/checkpoint_*/state.pt")}
+    assert len(trials) == 3, sorted(str(p) for p in up.shared.rglob("*"))[:50]
 
 
 @pytest.mark.timeout(300)
-def test_ray_attach_forwards_the_mlflow_ui(cluster):
-    started = cluster.exec("cd ~/raysweep && (nohup mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000 "
+def test_ray_attach_forwards_the_mlflow_ui(up):
+    started = up.exec("cd ~/raysweep && (nohup mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000 "
                            "> /tmp/mlflow-ui.log 2>&1 &) && sleep 1", timeout=60)
     assert started.returncode == 0
-    attach = subprocess.Popen([str(BIN / "ray"), "attach", str(cluster.cluster_file), "-p", "5000"], cwd=ROOT,
-                              env=cluster.env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+    attach = subprocess.Popen([str(BIN / "ray"), "attach", str(up.cluster_file), "-p", "5000"], cwd=ROOT,
+                              env=up.env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         deadline, body = time.monotonic() + 120, None
@@ -206,26 +216,26 @@ def test_ray_attach_forwards_the_mlflow_ui(cluster):
     finally:
         attach.terminate()
         attach.wait(timeout=30)
-        cluster.exec("pkill -f '[m]lflow ui' || true", timeout=60)  # on the head only: its own PID namespace
+        up.exec("pkill -f '[m]lflow ui' || true", timeout=60)  # on the head only: its own PID namespace
 
 
 @pytest.mark.timeout(900)
-def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(cluster, tmp_path):
+def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(up, tmp_path):
     log = tmp_path / "sweep.log"
     command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
                f"--set train.epochs=6 --set tune.asha.grace_period=6 --set name=lost-machine "
                f"--set storage_path={SHARED_RESULTS}")
-    sweep = cluster.popen_exec(command, log)
-    workers = {h.ip: h for h in cluster.hosts.hosts[1:]}
+    sweep = up.popen_exec(command, log)
+    workers = {h.ip: h for h in up.hosts.hosts[1:]}
     try:
         deadline, lost = time.monotonic() + 400, None
-        trials = cluster.shared / "results" / "lost-machine" / "train"
+        trials = up.shared / "results" / "lost-machine" / "train"
         while lost is None:  # a trial training on a worker machine, past its first epoch (a checkpoint to go back to)
             text = log.read_text()
             assert sweep.poll() is None, text[-4000:]
             assert time.monotonic() < deadline, text[-4000:]
-            up = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", text, re.M))
-            for trial, ip in up.items():
+            placed = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", text, re.M))
+            for trial, ip in placed.items():
                 if ip in workers and any(trials.glob(f"trial-{trial}/checkpoint_*")):
                     lost = (trial, workers[ip])
             time.sleep(0.5)
@@ -239,7 +249,7 @@ def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(cluster, tmp_pat
         assert re.search(r"sweep: 3 trials in \d+s: \d finished, \d pruned by ASHA, 0 failed", out), out[-3000:]
         # Tune's result log of the lost trial (on the shared folder): a new worker group took over, off the lost
         # machine, from a checkpoint (its first report replays the checkpoint's own, with the old group's nodes)
-        log_file = next(cluster.shared.glob(f"results/lost-machine/*{trial}*/result.json"))
+        log_file = next(up.shared.glob(f"results/lost-machine/*{trial}*/result.json"))
         reports = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
         groups, epochs = [r["nodes"] for r in reports], [int(r["epoch"]) for r in reports]
         print(f"{trial}'s reports (epoch, first 8 characters of each rank's node id):",
@@ -253,13 +263,13 @@ def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(cluster, tmp_pat
 
 
 @pytest.mark.timeout(420)
-def test_ray_down_leaves_no_ray_process_on_any_machine(cluster):
-    down = cluster.ray("down", "-y", str(cluster.cluster_file), timeout=180)
+def test_ray_down_leaves_no_ray_process_on_any_machine(up):
+    down = up.ray("down", "-y", str(up.cluster_file), timeout=180)
     assert down.returncode == 0
     # `ray down` stops Ray on the head only (the local provider contacts no worker: ray #17022); a worker's raylet
     # exits once it has lost the head's GCS for gcs_rpc_server_reconnect_timeout_s (60 s by default)
     deadline = time.monotonic() + 180
-    while left := {h.name: [p for p in h.pids() if RAY_PROCESS.search(_cmdline(p))] for h in cluster.hosts.hosts}:
+    while left := {h.name: [p for p in h.pids() if RAY_PROCESS.search(_cmdline(p))] for h in up.hosts.hosts}:
         left = {name: pids for name, pids in left.items() if pids}
         if not left:
             break
