@@ -38,33 +38,43 @@ def listed_ips(path: str = BOOTSTRAP_CONFIG) -> list[str]:
     return list(dict.fromkeys(ip for ip in [provider.get("head_ip"), *provider["worker_ips"]] if ip))
 
 
-def _alive_ips() -> set[str]:
+def _node_ips() -> tuple[set[str], set[str]]:
+    """(the IPs of the nodes alive, those of nodes Ray has marked dead): a machine that joined and was lost stays in
+    `ray.nodes()` with Alive false."""
     import ray
 
-    return {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    nodes = ray.nodes()
+    alive = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
+    return alive, {n["NodeManagerAddress"] for n in nodes if not n["Alive"]} - alive
 
 
-def wait_for_listed(say, path: str = BOOTSTRAP_CONFIG, wait_s: float = JOIN_WAIT_S, poll_s: float = 2.0) -> None:
-    """Wait until every machine the cluster file lists has joined; a UserError naming the missing ones after
-    `wait_s`. `say(line)`: what it waits for, once and then every JOIN_SAY_EVERY_S."""
+def wait_for_listed(say, path: str = BOOTSTRAP_CONFIG, wait_s: float = JOIN_WAIT_S, poll_s: float = 2.0) -> list[str]:
+    """Wait until every machine the cluster file lists has joined, at most `wait_s`; returns the IPs not up.
+    `say(line)`: what it waits for (once, then every JOIN_SAY_EVERY_S) and one line naming the machines that never
+    joined, or joined and were lost (Ray marked them dead: no wait for those). The sweep then goes on with what is
+    up: a trial that needs more GPUs than are left is refused by the plan, and a sweep resumed after a machine was
+    lost runs on the rest."""
     listed = listed_ips(path)
     if not listed:
-        return
+        return []
     started = said = time.monotonic()
     first = True
     while True:
-        missing = [ip for ip in listed if ip not in _alive_ips()]
-        if not missing:
-            return
+        alive, dead = _node_ips()
+        lost = [ip for ip in listed if ip in dead]
+        joining = [ip for ip in listed if ip not in alive and ip not in dead]
         waited = time.monotonic() - started
-        if waited >= wait_s:
-            raise UserError(
-                f"cluster: {len(listed) - len(missing)} of the {len(listed)} machines listed in {path} joined in "
-                f"{wait_s:.0f} s; {', '.join(missing)} did not. On the machine you ran `ray up` from, "
-                f"`ray monitor cluster.yaml` shows why (SSH, the setup commands, `ray start`)")
+        if not joining or waited >= wait_s:
+            if lost or joining:
+                up = len(listed) - len(lost) - len(joining)
+                gone = ([f"{', '.join(joining)} never joined (in {wait_s:.0f} s)"] if joining else []) + \
+                       ([f"{', '.join(lost)} joined and was lost"] if lost else [])
+                say(f"{up} of the {len(listed)} machines listed in {path} are up: {'; '.join(gone)}. The sweep goes "
+                    f"on with those up (on the machine you ran `ray up` from, `ray monitor cluster.yaml` shows why)")
+            return joining + lost
         if first or time.monotonic() - said >= JOIN_SAY_EVERY_S:
-            say(f"waiting up to {wait_s - waited:.0f} s more for {len(missing)} of the {len(listed)} machines listed "
-                f"in {path}: {', '.join(missing)}")
+            say(f"waiting up to {wait_s - waited:.0f} s more for {len(joining)} of the {len(listed)} machines listed "
+                f"in {path}: {', '.join(joining)}")
             said, first = time.monotonic(), False
         time.sleep(poll_s)
 

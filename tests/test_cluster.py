@@ -254,7 +254,6 @@ def test_a_machine_the_cluster_file_lists_that_never_joins_is_named_after_the_st
     import yaml
 
     from raysweep import nodes
-    from raysweep.errors import UserError
 
     here = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})
     bootstrap = tmp_path / "ray_bootstrap_config.yaml"  # as `ray up` leaves it on the head (provider: local)
@@ -262,15 +261,16 @@ def test_a_machine_the_cluster_file_lists_that_never_joins_is_named_after_the_st
                                                       "worker_ips": ["192.0.2.11"]}}))  # TEST-NET: never contacted
     said = []
     started = time.monotonic()
-    with pytest.raises(UserError) as refused:
-        nodes.wait_for_listed(said.append, str(bootstrap), wait_s=3, poll_s=0.5)
+    assert nodes.wait_for_listed(said.append, str(bootstrap), wait_s=3, poll_s=0.5) == ["192.0.2.11"]
     assert 3 <= time.monotonic() - started < 30
-    assert f"1 of the 2 machines listed in {bootstrap} joined in 3 s; 192.0.2.11 did not" in str(refused.value)
-    assert said and "192.0.2.11" in said[0]
+    assert "192.0.2.11" in said[0] and said[0].startswith("waiting up to")
+    assert said[-1].startswith(f"1 of the 2 machines listed in {bootstrap} are up: 192.0.2.11 never joined (in 3 s). "
+                               f"The sweep goes on with those up"), said
     # every listed machine up: no wait; a cloud provider's file (it scales on demand) or none: nothing to wait for
+    said.clear()
     bootstrap.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": here[0], "worker_ips": []}}))
-    nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0)
+    assert nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0) == []
     bootstrap.write_text(yaml.safe_dump({"provider": {"type": "aws", "region": "us-west-2"}}))
-    nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0)
-    nodes.wait_for_listed(said.append, str(tmp_path / "none.yaml"), wait_s=0)
-    assert len(said) == 1
+    assert nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0) == []
+    assert nodes.wait_for_listed(said.append, str(tmp_path / "none.yaml"), wait_s=0) == []
+    assert said == []

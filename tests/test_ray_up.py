@@ -10,8 +10,8 @@ runs its trials across the machines; `ray attach -p 5000` forwards the MLflow UI
 costs its trial a restart from its checkpoint elsewhere, not the trial; `ray down` leaves no Ray process anywhere.
 Every step has a deadline, and the hosts are removed whatever happens (the module's fixture).
 
-`-m "not hosts"` skips it (about N minutes here, most of it Ray starting on 2 shared cores). Without a cluster (the
-first test failed) the others fail at once.
+`-m "not hosts"` skips it (11 minutes of a fresh-clone `.ci/run` here, most of it Ray starting on 2 shared
+cores). Without a cluster (the first test failed) the others fail at once.
 """
 
 from __future__ import annotations
