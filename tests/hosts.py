@@ -10,7 +10,7 @@ NFS mount looks like to a process). The host's PID 1 is `sshd`, reached from thi
 the bridge) exactly as `ray up` reaches real machines. Killing PID 1 ends every process on the host at once: a
 power cut.
 
-Needs root, iproute2, util-linux's unshare/nsenter and Debian's openssh-server (.ci/run installs them).
+Needs root, iproute2, util-linux's unshare and Debian's openssh-server (.ci/run installs them).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SHARED_MOUNT = "/mnt/raysweep-shared"  # where every host sees the shared folder
 
 
 def missing_tools() -> list[str]:
-    need = ["ip", "unshare", "nsenter", "ssh", "ssh-keygen", "rsync", SSHD]
+    need = ["ip", "unshare", "ssh", "ssh-keygen", "rsync", SSHD]
     return [t for t in need if shutil.which(t) is None] + ([] if os.geteuid() == 0 else ["root"])
 
 
@@ -42,7 +42,7 @@ class Host:
     name: str
     netns: str
     ip: str
-    root: Path  # this host's own /tmp, /dev/shm-less home etc. live under it
+    root: Path  # under it: this host's own tmp/ and home/ (its /dev/shm is a tmpfs of its own)
     proc: subprocess.Popen | None = None
 
     @property
@@ -78,13 +78,6 @@ class Host:
             if needle in cmdline:
                 found.append(int(entry.name))
         return found
-
-    def run(self, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        """A shell command on the host, in all of its namespaces (as root, without SSH)."""
-        pid1 = self.pid1()
-        assert pid1 is not None, f"host {self.name} is down"
-        return subprocess.run(["nsenter", "-t", str(pid1), "-a", "bash", "-lc", command],
-                              capture_output=True, text=True, timeout=timeout)
 
     def power_off(self) -> None:
         """Every process on the host killed at once (PID 1 with SIGKILL: the kernel kills the rest of its namespace)."""
@@ -150,7 +143,7 @@ class Hosts:
                     # src/ray/util/network_util.cc), which needs a route; nothing leaves: the bridge forwards nowhere
                     ["route", "add", "default", "via", self.gateway]):
             _run("ip", "-n", host.netns, *cmd)
-        for sub in ("tmp", "shm", "home/.ssh", "home/.hostd"):
+        for sub in ("tmp", "home/.ssh", "home/.hostd"):
             (host.root / sub).mkdir(parents=True, exist_ok=True)
         (host.root / "tmp").chmod(0o1777)
         home = host.home
