@@ -7,11 +7,13 @@ of the project, ~/raysweep).
 In order: every listed machine joins (autoscaler v1, cluster.yaml); a client without the token is refused; a sweep
 with the spec's local storage_path is refused; the README's `tune` through `ray exec` on a folder every host sees
 runs its trials across the machines; `ray attach -p 5000` forwards the MLflow UI; a worker machine lost mid-sweep
-costs its trial a restart from its checkpoint elsewhere, not the trial; `ray down` leaves no Ray process anywhere.
+costs its trial a restart from its checkpoint elsewhere, not the trial; on an S3 bucket (a real S3 API on the
+launcher's side of the hosts' network) the driver is killed mid-sweep and `tune --resume` on the head continues every
+trial from its checkpoint, naming the lost machine without waiting for it; `ray down` leaves no Ray process anywhere.
 Every step has a deadline, and the hosts are removed whatever happens (the module's fixture).
 
-`-m "not hosts"` skips it (11 minutes of a fresh-clone `.ci/run` here, most of it Ray starting on 2 shared
-cores). Without a cluster (the first test failed) the others fail at once.
+`-m "not hosts"` skips it (10 minutes here, most of it Ray starting on 2 shared cores and `ray down`'s wait for
+the workers' raylets). Without a cluster (the first test failed) the others fail at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import copy
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -30,7 +33,7 @@ import pytest
 import yaml
 from hosts import SHARED_MOUNT, Hosts, missing_tools
 
-from conftest import ROOT
+from conftest import AWS_TEST_ENV, ROOT
 
 pytestmark = pytest.mark.hosts
 
@@ -99,7 +102,9 @@ def cluster(tmp_path_factory):
     base = tmp_path_factory.mktemp("hosts")
     shared = base / "shared"
     shared.mkdir()
-    bashrc = "export PYTHONPATH=$HOME/raysweep RAY_USAGE_STATS_ENABLED=0\n"
+    # the dummy credentials of the S3 API below (tests/conftest.py), as a user's machines hold theirs
+    bashrc = (f"export PYTHONPATH=$HOME/raysweep RAY_USAGE_STATS_ENABLED=0 "
+              f"{' '.join(f'{k}={v}' for k, v in AWS_TEST_ENV.items())}\n")
     with Hosts(base, 3, shared=shared, bashrc=bashrc) as hosts:
         home = base / "launcher"
         (home / "tmp").mkdir(parents=True)
@@ -114,6 +119,7 @@ def cluster(tmp_path_factory):
         made = launcher.ray("get-auth-token", "--generate", timeout=60)  # the README's step, on the launcher
         assert (home / ".ray" / "auth_token").is_file(), made.stderr
         launcher.hosts, launcher.shared = hosts, shared
+        launcher.lost = None  # the worker machine the lost-machine test powered off
         launcher.up = False  # the first test sets it: the rest fail at once without a cluster, not at their deadlines
         try:
             yield launcher
@@ -242,6 +248,7 @@ def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(up, tmp_path):
         trial, host = lost
         print(f"powering off {host.name} ({host.ip}) while {trial} trains there")
         host.power_off()
+        up.lost = host.ip
         sweep.wait(timeout=780)
         out = log.read_text()
         print(out[-6000:])
@@ -260,6 +267,97 @@ def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(up, tmp_path):
         if sweep.poll() is None:
             sweep.kill()
             sweep.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def s3(cluster):
+    """A real S3 API (moto's server) on the launcher's side of the hosts' network, the bridge's own address, with
+    bucket `sweeps`; yields (storage URI root, boto3 client). The hosts hold its credentials (the fixture's bashrc)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    gateway = cluster.hosts.gateway
+    with socket.socket() as s:
+        s.bind((gateway, 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address=gateway, port=port, verbose=False)
+    server.start()
+    try:
+        client = boto3.client("s3", endpoint_url=f"http://{gateway}:{port}", region_name="us-east-1")
+        client.create_bucket(Bucket="sweeps")
+        yield f"s3://sweeps/runs?endpoint_override={gateway}:{port}&scheme=http", client
+    finally:
+        server.stop()
+
+
+def _keys(client, prefix: str) -> list[str]:
+    keys, token = [], {}
+    while True:
+        page = client.list_objects_v2(Bucket="sweeps", Prefix=prefix, **token)
+        keys += [o["Key"] for o in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return keys
+        token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+@pytest.mark.timeout(900)
+def test_on_s3_the_driver_killed_and_resumed_on_the_head_continues_every_trial_from_its_checkpoint(up, s3, tmp_path):
+    uri, client = s3
+    # 2 trials of 6 epochs, never pruned (grace = max_t), one per machine left (the previous test took one away)
+    command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
+               f"--set tune.num_samples=2 --set train.epochs=6 --set tune.asha.grace_period=6 --set name=s3-resume "
+               f"--set 'storage_path={uri}'")
+    first = tmp_path / "first.log"
+    sweep = up.popen_exec(command, first)
+    head = up.hosts.hosts[0]
+    try:
+        # every trial past its second checkpoint (in the bucket), then the driver SIGKILLed on the head: its
+        # `bash -c` and its python (the head's own PID namespace: nothing on another machine is touched)
+        deadline, at = time.monotonic() + 480, {}
+        while len(at) < 2 or min(at.values()) < 2:
+            text = first.read_text()
+            assert sweep.poll() is None, text[-4000:]
+            assert time.monotonic() < deadline, (at, text[-4000:])
+            at = {}
+            for key in _keys(client, "runs/s3-resume/train/"):
+                found = re.search(r"train/trial-(\w+)/checkpoint_(\d+)/", key)
+                if found:
+                    at[found[1]] = max(at.get(found[1], 0), int(found[2]))
+            time.sleep(0.5)
+        print(f"checkpoints in the bucket when the driver is killed (trial: epoch): {at}")
+        up.hosts.ssh(head, "pkill -KILL -f '[r]aysweep tune'", timeout=30)
+        sweep.wait(timeout=60)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait(timeout=30)
+    out = first.read_text()
+    assert "sweep: 2 trials" not in out, out[-4000:]  # it was killed mid-sweep
+    placed = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", out, re.M))
+    print("where each trial's ranks ran before the kill:", placed)
+
+    resumed_at = int(time.time())
+    done = up.exec(f"{command} --resume", timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    print("the resumed driver's first lines:\n" + "\n".join(
+        line for line in out.splitlines() if line.startswith(("cluster:", "resumed:", "plan:"))))
+    if up.lost:  # a machine Ray saw die is named at once, not waited for
+        assert f"{up.lost} joined and was lost" in out and "waiting up to" not in out, out[-4000:]
+    match = re.search(r"resumed: (\d+) done, (\d+) running(?: from epoch ([\d, ]+))?, (\d+) pending", out)
+    assert match and int(match[2]) >= 1 and int(match[1]) + int(match[2]) == 2, out[-4000:]
+    assert re.search(r"sweep: 2 trials in \d+s: 2 finished, 0 pruned by ASHA, 0 failed", out), out[-3000:]
+    # Tune's result log of each trial, in the bucket: what the resumed driver's trials reported starts at their
+    # checkpoint's epoch (≥ 2), never at epoch 1, and runs to the end, wherever the trial ran before
+    for trial, epoch in at.items():
+        (key,) = [k for k in _keys(client, "runs/s3-resume/") if re.search(rf"_{trial}_[^/]*/result\.json$", k)]
+        reports = [json.loads(line) for line in
+                   client.get_object(Bucket="sweeps", Key=key)["Body"].read().decode().splitlines() if line.strip()]
+        after = [int(r["epoch"]) for r in reports if r["timestamp"] >= resumed_at and "epoch" in r]
+        print(f"{trial} (on {placed.get(trial, '?')} before the kill, checkpoint at epoch {epoch}): epochs reported "
+              f"after the resume {after}")
+        if epoch < 6:
+            assert after and min(after) >= 2 and after[-1] == 6, (trial, epoch, after)
 
 
 @pytest.mark.timeout(420)
