@@ -110,7 +110,9 @@ def test_worker_killed_mid_trial_restarts_from_its_checkpoint_and_ends_as_its_un
     # checkpoints every 2 epochs: a rank killed during epoch 4 restarts from epoch 2, so epoch 3 is
     # reported a second time; MLflow must still hold one value per (metric, epoch); and the restarted trial must
     # be the trial it would have been: the same losses and weights as the same spec run without a kill
-    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+    # 1,536 images: an epoch of about 1.5 s here, longer than MLflow's write of epoch 3 and the kill that follows
+    # it (with 384, an epoch took 0.4 s on a fast machine and the kill landed after epoch 4's checkpoint)
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
                      train={"epochs": 5, "reference_batch_size": 64, "checkpoint_every": 2, "max_failures": 1})
     killed = []
     thread = _kill_a_worker_after_epoch(tmp_path, 3, killed)
@@ -128,7 +130,7 @@ def test_worker_killed_mid_trial_restarts_from_its_checkpoint_and_ends_as_its_un
         else:
             assert steps == [1, 2, 3, 4, 5], name  # each epoch once, none lost
     samples = {m.step: m.value for m in _client(tmp_path).get_metric_history(run.info.run_id, "samples_seen")}
-    assert samples[5] == 5 * 384  # the restart resumed the count from the checkpoint, not from zero
+    assert samples[5] == 5 * 1536  # the restart resumed the count from the checkpoint, not from zero
     # the clock: epoch 3 was trained twice (its first run's seconds are in no checkpoint), so epoch 4's training
     # seconds go on from epoch 3's reported ones and count the re-run once: about two epochs' worth, never less
     # than epoch 3's (before, it went on from epoch 2's and the lost run vanished)
