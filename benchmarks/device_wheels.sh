@@ -4,7 +4,8 @@
 # (ignored by git; under 3 MB), for that machine's Python (3.12, x86-64), at the versions installed here.
 # Ray, MLflow and captcha are not needed: the suite runs raysweep's worker code without them.
 #
-#   bash benchmarks/device_wheels.sh            # then carry ".whl" in the device call (benchmarks/README.md)
+#   bash benchmarks/device_wheels.sh            # then copy .whl/ into the checkout on the GPU machine
+#                                               # (CONTRIBUTING.md, "The GPU suite")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION=${PY_VERSION:-3.12}

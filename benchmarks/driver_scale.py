@@ -119,7 +119,7 @@ class DriverFigures:
 
     @property
     def sustained(self) -> bool:
-        """The issue's test: the lag stays small (ASHA's decision back at a slot, and a checkpoint's wait for the
+        """What "sustained" means: the lag stays small (ASHA's decision back at a slot, and a checkpoint's wait for the
         store, within SMALL_LAG of an epoch at p99) and the writer's backlog does not grow (at the window's end no
         more than one write queued per running trial)."""
         small = SMALL_LAG * self.epoch_s

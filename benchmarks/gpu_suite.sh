@@ -9,12 +9,13 @@
 #   5. gpu_throughput.py --profile of batch 1024 bf16 as a trial runs it:
 #      top kernels, layout conversions, GPU busy share, what limits the step  -> gpu_profile.txt
 #   6. summary.md and summary.json (every figure above, for RESULTS.md); suite.log (steps, times, exit codes)
-# Files go to $OUT when set (the device tool's folder that comes back), else ./gpu_suite_out.
+# Files go to $OUT when set (a folder you bring back from the machine), else ./gpu_suite_out.
 #
 # The GPU machine has PyTorch, numpy, PyYAML, psutil and pytest, but not Ray, MLflow, pydantic or captcha,
 # and no network. The suite runs raysweep's worker code without Ray, MLflow or captcha; pydantic travels
 # as wheels (2.5 MB). Once, here:   bash benchmarks/device_wheels.sh        (fills .whl/, git-ignored)
-# then one device call:             run(command="bash benchmarks/gpu_suite.sh", carry=[".whl"], timeout_s=600)
+# then, on the machine with the GPU, in a checkout with .whl/ copied in:   bash benchmarks/gpu_suite.sh
+# (one command; its step limits keep it within 10 minutes).
 #
 #   bash benchmarks/gpu_suite.sh --cpu-smoke   # no GPU: the same steps in CPU --quick form, with Ray, MLflow
 #                                              # and captcha made unimportable; proves the plumbing (CI runs it)

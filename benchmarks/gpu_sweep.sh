@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The start-up issue's GPU sweep (issue 21), for a lent GPU machine: `tune` of search_spaces/one_gpu.yaml cut to
+# The GPU figure for warm worker groups' start-up (1769336), for a lent GPU machine: `tune` of
+# search_spaces/one_gpu.yaml cut to
 # 4 trials x 8 epochs on 20,000 synthetic images, through Ray (NCCL, one GPU worker), ASHA and MLflow. Its output,
 # with every trial's `up ... started in` line and the closing `busy` line, goes to $OUT/gpu_sweep.txt.
 #
-# The machine lacks Ray and MLflow: pack them here once (git-ignored archive, ~45 MB),
-#   bash ../shared/gpu/device_site.sh python .device_site.tar.xz
-# then one device call:
-#   run(command="bash benchmarks/gpu_sweep.sh", carry=[".device_site.tar.xz"], timeout_s=600)
+# The machine lacks Ray and MLflow (and has no network): pack them here once into .device_site.tar.xz at the
+# repository's root (~45 MB; keep it out of git, e.g. in .git/info/exclude), an xz tar whose top folder
+# device_site/ holds, installed for the machine's Python (3.12, x86-64 manylinux wheels), every package of this
+# project's environment the machine's image lacks (Ray, MLflow, captcha, pydantic and their dependencies), less
+# torch and the NVIDIA libraries (the machine's own CUDA build serves). The script unpacks it into /tmp and puts
+# /tmp/device_site on PYTHONPATH. Then, on the machine with the GPU, in a checkout with the archive copied in:
+#   bash benchmarks/gpu_sweep.sh            # one command, sized for a 10-minute limit
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

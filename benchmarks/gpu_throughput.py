@@ -10,7 +10,7 @@ and pooling) and `graphs` (compiled, each optimizer step replayed as one CUDA gr
 Configurations run most-telling first (the goal's batch 1024 as a trial runs it, then eager; then batch 64,
 the launch-bound end; then the rest), so `--budget-s` cuts the least telling ones.
 Last line: RESULT gpu_throughput ratio=<images/s at batch 1024 bf16 (best configuration) ÷ 1,900, the seeds'
-per-GPU images/s>; the issue's goal is ≥ 100,000 images/s (about 53×).
+per-GPU images/s>; the goal is ≥ 100,000 images/s (about 53×).
 
     python benchmarks/gpu_throughput.py                       # the full grid on cuda:0
     python benchmarks/gpu_throughput.py --batches 64,1024 --compile off,on,graphs --budget-s 200 --json t.json
@@ -216,7 +216,7 @@ def profile(bench: Bench, steps: int, flops: float, peak: float | None) -> dict:
 
 
 def priority(config: tuple[int, str, str]) -> tuple:
-    """The goal's batch as a trial runs it, then eager (the two figures the issue compares), then the launch-bound
+    """The goal's batch as a trial runs it, then eager (the two figures the goal compares), then the launch-bound
     batch 64 likewise, then the goal's other settings, then the rest; bf16 before fp32."""
     batch, precision, compile_mode = config
     at_goal, small = batch == GOAL_BATCH, batch == LAUNCH_BOUND_BATCH

@@ -13,7 +13,7 @@ its first epoch was logged minus that epoch's `epoch_time_s`, and the gap is one
 run's end (trials run one at a time on 2 cores). Training is Σ epoch_time_s over the sweep's trials: a sweep's
 wall time cannot fall below it, so the best ratio warm groups could reach is printed beside the measured one.
 
-Before the sweeps, the bare anchors on the same machine and Ray (the issue's): `ray.init`; a plain Ray actor
+Before the sweeps, the bare anchors on the same machine and Ray: `ray.init`; a plain Ray actor
 that imports torch and touches the device (what a process costs); an empty `TorchTrainer` with the spec's
 workers (device, one all-reduce, one report), from `fit()` to its worker function and to `fit()`'s return
 (what a Ray Train group costs). The warm sweep's start-up phases (its MLflow `startup_*` metrics) are printed
