@@ -294,6 +294,10 @@ def test_large_batch_spec_is_the_users_sweep():
     assert (config.scaling.num_workers, config.scaling.use_gpu, config.train.precision) == (3, True, "bf16")
     assert config.search.per_gpu_batch_size.choice == [256, 512, 768, 1024]
     assert config.search.base_lr.loguniform == (1e-4, 3e-3) and config.train.lr_rule == "sqrt"
-    assert config.search.warmup_epochs.randint == (0, 10) and config.tune.asha.grace_period >= 10
+    assert config.search.warmup_epochs.randint == (0, 10)
+    # it spans batch sizes, so it counts in seconds (docs/batch-size.md): a budget per trial, rungs in seconds,
+    # ranked by time to a target; epochs are only the cap
+    assert (config.train.time_budget_s, config.tune.asha.unit, config.tune.asha.grace_period) == (90, "seconds", 10)
+    assert config.tune.target.metric == "val_exact_acc" and config.tune.target.stop
     assert (config.train.epochs, config.data.synthetic.train_size, config.data.synthetic.val_size) \
-        == (150, 50_000, 5_000)
+        == (500, 50_000, 5_000)
