@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-batch", type=int, default=None, metavar="N",
                    help="per-GPU batches above N run as micro-batches ≤ N with more accumulation (same global batch)")
     p.set_defaults(func=cmd_tune)
-    p = sub.add_parser("train", help="run one trial at the spec's defaults (searched knobs at their default:)")
+    p = sub.add_parser("train", help="run one trial with every searched knob at its `default:`")
     _common(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("probe", help="find the largest per-GPU batch that fits, under the spec's real scaling")

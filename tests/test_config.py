@@ -164,16 +164,6 @@ def test_cli_prints_one_line_exit_2_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_readme_documents_every_key():
-    from raysweep.config import iter_keys
-
-    readme = (ROOT / "README.md").read_text()
-    keys = [key for key, _, _ in iter_keys()]
-    assert len(keys) > 40
-    missing = [key for key in keys if f"| `{key}` |" not in readme]
-    assert not missing, f"README's key table lacks {missing}"
-
-
 @pytest.mark.parametrize("text, expected", [
     ("search:\n  weight_decay: -1.0e-4\n", "search.weight_decay: must be at least 0.0, got -0.0001"),
     ("search:\n  warmup_epochs: -1\n", "search.warmup_epochs: must be at least 0.0, got -1"),
@@ -303,14 +293,6 @@ def test_cli_flags_that_cannot_work_are_one_line_errors(tmp_path, capsys, argv, 
     assert main([str(path) if a == "SPEC" else a for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"raysweep: error: {expected}") and err.count("\n") == 1, err
-
-
-def test_readme_documents_every_metric_and_worker_param():
-    from raysweep.metrics import METRIC_NAMES
-
-    readme = (ROOT / "README.md").read_text()
-    missing = [name for name in METRIC_NAMES if f"`{name}`" not in readme]
-    assert not missing, f"README's metric table lacks {missing}"
 
 
 @pytest.mark.parametrize("knob, value, expected", [

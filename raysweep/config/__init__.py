@@ -1,6 +1,6 @@
 """The sweep spec: YAML → typed, validated `SweepConfig`; `--set` overrides; derived trial values.
 
-Key names are public API (specs, `--set`, README). Unknown keys are errors. Every bad input becomes
+Key names are public API (specs, `--set`, docs/reference/spec.md). Unknown keys are errors. Every bad input becomes
 one `UserError` line naming the file, the dotted key, the value and the fix.
 
   fields.py    strict number types, choice literals, the frozen `Section` base

@@ -59,8 +59,8 @@ class _Range(Section):
 class Uniform(_Range, Generic[T]):
     """`{uniform: [low, high]}`: uniform float; both bounds of the knob's own type (base_lr's above 0)."""
 
-    uniform: tuple[T, T]
-    default: T | None = None
+    uniform: tuple[T, T] = Field(description="[low, high], both inclusive")
+    default: T | None = Field(None, description="value for `train` and the first tune trial")
 
     def bounds(self):
         return self.uniform
@@ -69,8 +69,8 @@ class Uniform(_Range, Generic[T]):
 class LogUniform(_Range, Generic[T]):
     """`{loguniform: [low, high]}`: log-uniform float, both bounds > 0."""
 
-    loguniform: tuple[T, T]
-    default: T | None = None
+    loguniform: tuple[T, T] = Field(description="[low, high], both above 0; sampled uniformly in log space")
+    default: T | None = Field(None, description="value for `train` and the first tune trial")
 
     def bounds(self):
         return self.loguniform
@@ -80,9 +80,11 @@ class RandInt(_Range, Generic[T]):
     """`{randint: [low, high]}`: uniform integer, both bounds inclusive and of the knob's own type (a per-GPU batch
     at least 1)."""
 
-    randint: tuple[T, T]
-    default: T | None = None
-    max: PosInt | Literal["probe"] | None = None
+    randint: tuple[T, T] = Field(description="[low, high], integers, both inclusive")
+    default: T | None = Field(None, description="value for `train` and the first tune trial")
+    max: PosInt | Literal["probe"] | None = Field(
+        None, description="per_gpu_batch_size only: larger samples run as max × more accumulation; probe → measure it"
+    )
 
     def bounds(self):
         return self.randint

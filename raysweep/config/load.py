@@ -1,6 +1,6 @@
 """Reading a spec: YAML → validated `SweepConfig`, `--set dotted.key=value` overrides, and every bad input as one
 `UserError` line naming the file, the dotted key, the value and the fix. Also the resolved spec as YAML and the
-schema's keys (README's table)."""
+schema's keys (docs/reference/spec.md)."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def spec_yaml(config: SweepConfig) -> str:
 
 
 def iter_keys(cls: type[BaseModel] = None, prefix: str = ""):
-    """(dotted key, default, description) for every key of the schema (README's table is made from it)."""
+    """(dotted key, default, description) for every key of the schema (docs/gen.py's spec reference)."""
     cls = cls or SweepConfig
     for name, field in cls.model_fields.items():
         sub = _model_in(field.annotation)

@@ -1,6 +1,7 @@
 """The spec's sections below the top level: data, model, scaling, train, search, tune (with asha and target), mlflow.
 
-Field names are public API (specs, `--set`, README's key table); each field's description is its README line.
+Field names are public API (specs, `--set`, docs/reference/spec.md); each field's
+description is its line there (docs/gen.py).
 """
 
 from __future__ import annotations
