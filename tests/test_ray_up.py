@@ -6,7 +6,8 @@ of the project, ~/raysweep).
 
 In order: every listed machine joins (autoscaler v1, cluster.yaml); a client without the token is refused; a sweep
 with the spec's local storage_path is refused; the README's `tune` through `ray exec` on a folder every host sees
-runs its trials across the machines; `ray attach -p 5000` forwards the MLflow UI; a worker machine lost mid-sweep
+runs its trials across the machines, and its driver killed mid-sweep and resumed on the head continues each trial
+from its checkpoint; `ray attach -p 5000` forwards the MLflow UI; a worker machine lost mid-sweep
 costs its trial a restart from its checkpoint elsewhere, not the trial; on an S3 bucket (a real S3 API on the
 launcher's side of the hosts' network) the driver is killed mid-sweep and `tune --resume` on the head continues every
 trial from its checkpoint, naming the lost machine without waiting for it; `ray down` leaves no Ray process anywhere.
@@ -185,19 +186,30 @@ def test_a_storage_path_only_the_head_sees_is_refused(up):
 
 
 @pytest.mark.timeout(900)
-def test_a_sweep_on_shared_storage_runs_across_the_machines(up):
+def test_a_sweep_on_a_shared_folder_runs_across_the_machines_and_its_driver_killed_and_resumed_loses_nothing(
+        up, tmp_path):
+    # 3 trials of 4 epochs, never pruned (grace = max_t): one on each machine at once (2 CPUs a machine)
     command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
-               f"--set storage_path={SHARED_RESULTS}")
-    done = up.exec(command, timeout=840)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-5000:]
-    assert re.search(r"sweep: 3 trials in \d+s: (\d) finished, (\d) pruned by ASHA, 0 failed", out), out[-3000:]
-    placed = re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", out, re.M)
+               f"--set train.epochs=4 --set tune.asha.grace_period=4 --set storage_path={SHARED_RESULTS}")
+    results = up.shared / "results" / "quickstart"
+
+    def checkpoints() -> dict[str, int]:
+        at = {}
+        for state in results.glob("train/trial-*/checkpoint_*/state.pt"):
+            trial, epoch = state.parent.parent.name.removeprefix("trial-"), int(state.parent.name.split("_")[-1])
+            at[trial] = max(at.get(trial, 0), epoch)
+        return at
+
+    def result_log(trial: str) -> str:
+        (path,) = results.glob(f"*_{trial}_*/result.json")
+        return path.read_text()
+
+    first, _ = _killed_and_resumed(up, command, 3, 4, checkpoints, result_log, tmp_path)
+    placed = re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", first, re.M)
     print("where each trial's ranks ran:\n" + "\n".join(f"  {trial} on {ip}" for trial, ip in placed))
     assert len(placed) == 3 and len({ip for _, ip in placed}) >= 2, placed  # 2 CPUs a machine: one group each
     # every trial's checkpoints are in the one folder every machine sees, wherever its ranks ran
-    trials = {p.parent.parent.name for p in up.shared.glob("results/quickstart/train/*/checkpoint_*/state.pt")}
-    assert len(trials) == 3, sorted(str(p) for p in up.shared.rglob("*"))[:50]
+    assert len(checkpoints()) == 3, sorted(str(p) for p in up.shared.rglob("*"))[:50]
 
 
 @pytest.mark.timeout(300)
@@ -307,34 +319,50 @@ def test_on_s3_the_driver_killed_and_resumed_on_the_head_continues_every_trial_f
     command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
                f"--set tune.num_samples=2 --set train.epochs=6 --set tune.asha.grace_period=6 --set name=s3-resume "
                f"--set 'storage_path={uri}'")
-    first = tmp_path / "first.log"
-    sweep = up.popen_exec(command, first)
-    head = up.hosts.hosts[0]
+
+    def checkpoints() -> dict[str, int]:
+        at = {}
+        for key in _keys(client, "runs/s3-resume/train/"):
+            if found := re.search(r"train/trial-(\w+)/checkpoint_(\d+)/state\.pt$", key):
+                at[found[1]] = max(at.get(found[1], 0), int(found[2]))
+        return at
+
+    def result_log(trial: str) -> str:
+        (key,) = [k for k in _keys(client, "runs/s3-resume/") if re.search(rf"_{trial}_[^/]*/result\.json$", k)]
+        return client.get_object(Bucket="sweeps", Key=key)["Body"].read().decode()
+
+    _, resumed = _killed_and_resumed(up, command, 2, 6, checkpoints, result_log, tmp_path)
+    if up.lost:  # a machine Ray saw die is named at once, not waited for
+        assert f"{up.lost} joined and was lost" in resumed and "waiting up to" not in resumed, resumed[-4000:]
+
+
+def _killed_and_resumed(up, command: str, trials: int, epochs: int, checkpoints, result_log,
+                        tmp_path: Path) -> tuple[str, str]:
+    """`command` (a sweep of `trials` trials of `epochs` epochs, none pruned) run on the head through `ray exec`; its
+    driver SIGKILLed there once every trial has a checkpoint at epoch 2 or later (`checkpoints()`: {trial: newest
+    epoch} in the sweep's storage); then the same command with `--resume` on the head, which must end every trial,
+    each reporting from its checkpoint on (`result_log(trial)`: Tune's result.json of it, in the storage), never
+    from epoch 1, wherever it ran. Returns both drivers' output."""
+    log = tmp_path / f"killed-{time.monotonic_ns()}.log"
+    sweep = up.popen_exec(command, log)
     try:
-        # every trial past its second checkpoint (in the bucket), then the driver SIGKILLed on the head: its
-        # `bash -c` and its python (the head's own PID namespace: nothing on another machine is touched)
+        # the driver's `bash -c` and its python, killed in the head's own PID namespace: nothing elsewhere is touched
         deadline, at = time.monotonic() + 480, {}
-        while len(at) < 2 or min(at.values()) < 2:
-            text = first.read_text()
-            assert sweep.poll() is None, text[-4000:]
-            assert time.monotonic() < deadline, (at, text[-4000:])
-            at = {}
-            for key in _keys(client, "runs/s3-resume/train/"):
-                found = re.search(r"train/trial-(\w+)/checkpoint_(\d+)/", key)
-                if found:
-                    at[found[1]] = max(at.get(found[1], 0), int(found[2]))
+        while len(at) < trials or min(at.values()) < 2:
+            assert sweep.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, (at, log.read_text()[-4000:])
             time.sleep(0.5)
-        print(f"checkpoints in the bucket when the driver is killed (trial: epoch): {at}")
-        up.hosts.ssh(head, "pkill -KILL -f '[r]aysweep tune'", timeout=30)
+            at = checkpoints()
+        print(f"checkpoints when the driver is killed (trial: epoch): {at}")
+        up.hosts.ssh(up.hosts.hosts[0], "pkill -KILL -f '[r]aysweep tune'", timeout=30)
         sweep.wait(timeout=60)
     finally:
         if sweep.poll() is None:
             sweep.kill()
             sweep.wait(timeout=30)
-    out = first.read_text()
-    assert "sweep: 2 trials" not in out, out[-4000:]  # it was killed mid-sweep
-    placed = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", out, re.M))
-    print("where each trial's ranks ran before the kill:", placed)
+    first = log.read_text()
+    assert f"sweep: {trials} trials" not in first, first[-4000:]  # it was killed mid-sweep
+    placed = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", first, re.M))
 
     resumed_at = int(time.time())
     done = up.exec(f"{command} --resume", timeout=600)
@@ -342,22 +370,18 @@ def test_on_s3_the_driver_killed_and_resumed_on_the_head_continues_every_trial_f
     assert done.returncode == 0, out[-5000:]
     print("the resumed driver's first lines:\n" + "\n".join(
         line for line in out.splitlines() if line.startswith(("cluster:", "resumed:", "plan:"))))
-    if up.lost:  # a machine Ray saw die is named at once, not waited for
-        assert f"{up.lost} joined and was lost" in out and "waiting up to" not in out, out[-4000:]
     match = re.search(r"resumed: (\d+) done, (\d+) running(?: from epoch ([\d, ]+))?, (\d+) pending", out)
-    assert match and int(match[2]) >= 1 and int(match[1]) + int(match[2]) == 2, out[-4000:]
-    assert re.search(r"sweep: 2 trials in \d+s: 2 finished, 0 pruned by ASHA, 0 failed", out), out[-3000:]
-    # Tune's result log of each trial, in the bucket: what the resumed driver's trials reported starts at their
-    # checkpoint's epoch (≥ 2), never at epoch 1, and runs to the end, wherever the trial ran before
+    assert match and int(match[2]) >= 1 and int(match[1]) + int(match[2]) == trials, out[-4000:]
+    assert re.search(rf"sweep: {trials} trials in \d+s: {trials} finished, 0 pruned by ASHA, 0 failed", out), \
+        out[-3000:]
     for trial, epoch in at.items():
-        (key,) = [k for k in _keys(client, "runs/s3-resume/") if re.search(rf"_{trial}_[^/]*/result\.json$", k)]
-        reports = [json.loads(line) for line in
-                   client.get_object(Bucket="sweeps", Key=key)["Body"].read().decode().splitlines() if line.strip()]
+        reports = [json.loads(line) for line in result_log(trial).splitlines() if line.strip()]
         after = [int(r["epoch"]) for r in reports if r["timestamp"] >= resumed_at and "epoch" in r]
         print(f"{trial} (on {placed.get(trial, '?')} before the kill, checkpoint at epoch {epoch}): epochs reported "
               f"after the resume {after}")
-        if epoch < 6:
-            assert after and min(after) >= 2 and after[-1] == 6, (trial, epoch, after)
+        if epoch < epochs:
+            assert after and min(after) >= 2 and after[-1] == epochs, (trial, epoch, after)
+    return first, out
 
 
 @pytest.mark.timeout(420)
