@@ -217,8 +217,9 @@ def plan_when_free(config: SweepConfig, num_samples: int, say) -> Plan:
 ORPHAN_LOOK_EVERY_S = 10.0
 
 
-def remove_orphaned_groups() -> list[str]:
-    """Remove this job's placement groups whose creating actor is dead; returns their ids.
+def remove_orphaned_groups(dead_actors: frozenset[str] = frozenset()) -> list[str]:
+    """Remove this job's placement groups whose creating actor is dead; returns their ids. `dead_actors`: ids (hex)
+    of actors known dead besides those the GCS's table marks so (a group registered as its creator died).
 
     Train V2's controller (an actor) places its worker group's placement group; Ray frees such a group only once
     its creating actor *and* its job have both died (the GCS's lifetime rule, GcsPlacementGroup::
@@ -248,7 +249,8 @@ def remove_orphaned_groups() -> list[str]:
     for info in infos:
         placed_by_actor = info.creator_actor_id and not ray.ActorID(info.creator_actor_id).is_nil()
         if (info.state != table.REMOVED and not info.is_detached and placed_by_actor
-                and info.creator_actor_dead and info.creator_job_id.hex() == job):
+                and (info.creator_actor_dead or info.creator_actor_id.hex() in dead_actors)
+                and info.creator_job_id.hex() == job):
             pg_id = info.placement_group_id.hex()
             log.warning("removing placement group %s: the actor that placed it is dead", pg_id)
             try:

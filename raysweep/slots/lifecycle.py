@@ -12,6 +12,7 @@ from raysweep.slots.broker import CLOSE_WAIT_S
 log = logging.getLogger(__name__)
 
 GONE_WAIT_S = 20.0  # after the slots were retired (or killed), how long their actors may take to be gone
+ORPHAN_SETTLE_S = 5.0  # then how long to keep removing the groups they left, while each look finds one
 # the actors a sweep's slots start, by class name: the broker, the slot hosts, Ray Train's controllers and workers
 SLOT_ACTORS = frozenset({BrokerActor.__name__, SlotHost.__name__, "TrainController", "RayTrainWorker"})
 WATCH_EVERY_S = 1.0  # broker_lost looks at the broker's `watch` call at most this often
@@ -87,6 +88,36 @@ def close_broker(experiment_path: str) -> None:
         log.debug("closing the slots: %s", e)
     ray.kill(broker)  # the slot hosts it owns, their controllers and workers go with it
     _wait_gone(_BEFORE.pop(experiment_path, None), GONE_WAIT_S)
+    _remove_left_groups(ORPHAN_SETTLE_S)
+
+
+def _remove_left_groups(wait_s: float) -> None:
+    """Remove the placement groups the sweep's dead slot actors left (cluster.remove_orphaned_groups), looking
+    again until a look finds none, within `wait_s`. A controller killed with its slot can have asked for a group
+    just before it died, and the GCS places that group after the broker's own last look: with no slot left to look
+    again, it held the group's CPUs for as long as the driver's job lived (a test session, a notebook). CI saw it
+    once: 2 CPUs held after a sweep whose every group set-up failed."""
+    import ray
+    from ray.util.state import list_actors
+
+    from raysweep.cluster import remove_orphaned_groups
+
+    job = ray.get_runtime_context().get_job_id()
+    started = time.monotonic()
+    while True:
+        try:
+            dead = frozenset(a.actor_id for a in list_actors(
+                filters=[("job_id", "=", job), ("state", "=", "DEAD")], limit=10_000, raise_on_missing_output=False)
+                if a.class_name.rsplit(".", 1)[-1] in SLOT_ACTORS)
+            removed = remove_orphaned_groups(dead)
+        except Exception as e:  # noqa: BLE001 - no state API, or Ray shutting down: nothing more to do
+            log.debug("removing left placement groups: %s", e)
+            return
+        waited = time.monotonic() - started
+        # a clean look a second after the actors were gone ends it; a look that removed one looks again
+        if (not removed and waited >= 1.0) or waited > wait_s:
+            return
+        time.sleep(0.5)
 
 
 def _slot_actor_ids() -> set[str] | None:
