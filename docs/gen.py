@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:  # `python docs/gen.py` from a checkout that is no
 from raysweep.cli import build_parser  # noqa: E402
 from raysweep.config import SearchConfig, SweepConfig, iter_keys, load_config, parse_yaml  # noqa: E402
 from raysweep.config.knobs import DISTRIBUTIONS, Choice  # noqa: E402
+from raysweep.config.load import _model_in  # noqa: E402  (the section model an annotation holds)
 
 # what the spec page shows for the nesting of dotted keys; validated whenever the page is made
 EXAMPLE_SPEC = """\
@@ -67,17 +68,6 @@ def _metavar_of(sub: argparse.ArgumentParser) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the spec
-
-
-def _model_in(annotation) -> type[BaseModel] | None:
-    """The section model an annotation holds (`TargetConfig | None` → TargetConfig), or None for a plain value."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _section(prefix: str) -> tuple[type[BaseModel], FieldInfo | None]:

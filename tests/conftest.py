@@ -31,6 +31,8 @@ try:
 except ImportError:
     pass
 
+import socket  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -38,6 +40,26 @@ import yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_START_TIMEOUT_S = 15  # small, so the "cannot start" test waits 2 × 15 s, not minutes
+
+
+@contextmanager
+def s3_api(ip: str):
+    """A real S3 API (moto's server) on `ip`, a free port, with bucket `sweeps`; yields (the storage URI root that
+    reaches it, a boto3 client). Its credentials are AWS_TEST_ENV's dummies."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address=ip, port=port, verbose=False)
+    server.start()
+    try:
+        client = boto3.client("s3", endpoint_url=f"http://{ip}:{port}", region_name="us-east-1")
+        client.create_bucket(Bucket="sweeps")
+        yield f"s3://sweeps/runs?endpoint_override={ip}:{port}&scheme=http", client
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

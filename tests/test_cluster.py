@@ -14,7 +14,7 @@ import pytest
 
 from raysweep.cli import main
 
-from conftest import AWS_TEST_ENV, ROOT, tiny_spec, write_spec
+from conftest import AWS_TEST_ENV, ROOT, s3_api, tiny_spec, write_spec
 
 
 def _free_port() -> int:
@@ -25,22 +25,12 @@ def _free_port() -> int:
 
 @pytest.fixture
 def s3_bucket():
-    """A real S3 API on 127.0.0.1 (moto's server), bucket `sweeps`; yields (storage URI root, boto3 client).
+    """A real S3 API on 127.0.0.1 (conftest.s3_api); yields (storage URI root, boto3 client).
 
     The credentials are conftest's dummy AWS_* variables: Ray's processes inherited them at start.
     """
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
-        client.create_bucket(Bucket="sweeps")
-        yield f"s3://sweeps/runs?endpoint_override=127.0.0.1:{port}&scheme=http", client
-    finally:
-        server.stop()
+    with s3_api("127.0.0.1") as bucket:
+        yield bucket
 
 
 def _keys(client) -> list[str]:

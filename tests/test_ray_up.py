@@ -23,7 +23,6 @@ import copy
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ import pytest
 import yaml
 from hosts import SHARED_MOUNT, Hosts, missing_tools
 
-from conftest import AWS_TEST_ENV, ROOT
+from conftest import AWS_TEST_ENV, ROOT, s3_api
 
 pytestmark = pytest.mark.hosts
 
@@ -283,23 +282,10 @@ def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(up, tmp_path):
 
 @pytest.fixture(scope="module")
 def s3(cluster):
-    """A real S3 API (moto's server) on the launcher's side of the hosts' network, the bridge's own address, with
-    bucket `sweeps`; yields (storage URI root, boto3 client). The hosts hold its credentials (the fixture's bashrc)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    gateway = cluster.hosts.gateway
-    with socket.socket() as s:
-        s.bind((gateway, 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address=gateway, port=port, verbose=False)
-    server.start()
-    try:
-        client = boto3.client("s3", endpoint_url=f"http://{gateway}:{port}", region_name="us-east-1")
-        client.create_bucket(Bucket="sweeps")
-        yield f"s3://sweeps/runs?endpoint_override={gateway}:{port}&scheme=http", client
-    finally:
-        server.stop()
+    """A real S3 API (conftest.s3_api) on the launcher's side of the hosts' network, the bridge's own address; yields
+    (storage URI root, boto3 client). The hosts hold its credentials (the fixture's bashrc)."""
+    with s3_api(cluster.hosts.gateway) as bucket:
+        yield bucket
 
 
 def _keys(client, prefix: str) -> list[str]:
