@@ -47,6 +47,23 @@ def shards() -> tuple[Shard, Shard]:
     return Shard.build(data.train, 36, CPU), Shard.build(data.val, 36, CPU)
 
 
+@pytest.fixture(params=["this torch", "torch 2.11's compile"])
+def compile_signature(request, monkeypatch) -> str:
+    """torch.compile as installed (it takes `recompile_limit`), or with torch 2.11's signature, which lacks it:
+    the same compiler behind a function without that argument (compile_cache.compile_model then raises
+    Dynamo's global limit instead)."""
+    if request.param != "this torch":
+        real = torch.compile
+
+        def compile_without_recompile_limit(model=None, *, fullgraph=False, dynamic=None, backend="inductor",
+                                            mode=None, options=None, disable=False):
+            return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options,
+                        disable=disable)
+
+        monkeypatch.setattr(torch, "compile", compile_without_recompile_limit)
+    return request.param
+
+
 def _trial_run(shards, batch: int, accum: int) -> TrainingRun:
     """One trial of a slot, compiled: built on the group's shards, probed (the compile), one epoch."""
     run = TrainingRun.build(_trial(batch=batch, accum=accum, n=64, epochs=1, compile=True), None, 0, 1, CPU,
@@ -61,7 +78,8 @@ def _entries() -> int:
     return len(_debug_get_cache_entry_list(CaptchaCNN.forward.__code__))
 
 
-def test_a_slots_trials_compile_every_micro_batch_past_dynamos_recompile_limit(monkeypatch, shards, caplog):
+def test_a_slots_trials_compile_every_micro_batch_past_dynamos_recompile_limit(monkeypatch, shards, caplog,
+                                                                               compile_signature):
     """Two trials, micro-batches 8 and 4 (accumulation 2: no half batch), against a recompile limit of 1: both
     compile; a plain torch.compile of the same model at a third shape is then refused (the limit was really
     passed: without the sized limit, the second trial would have run eagerly)."""

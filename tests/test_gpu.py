@@ -399,7 +399,14 @@ def test_one_rank_measures_the_noise_scale_by_halves_between_graph_replays(devic
     for name in ("noise_small", "noise_big", "noise_steps"):
         assert float(getattr(sums[True], name)) == pytest.approx(float(getattr(sums[False], name)), rel=1e-4)
     assert float(sums[True].noise_steps) == 4 and sums[True].noise_split == 2
-    torch.testing.assert_close(weights[True], weights[False], rtol=1e-4, atol=1e-5)
+    # AdamW divides each gradient by its own running scale: a weight whose gradient is ~0 takes a step of up to the
+    # LR of either sign on a rounding difference (a replay may run other cuBLAS kernels than the eager call). On an
+    # H200, 253 of 1.78 M weights differed, by at most 0.0026 (LR 0.002); a replay that trained anything else (a
+    # stale input, LR or gradient) moves most weights
+    diff = (weights[True] - weights[False]).abs()
+    print(f"graphs vs eager: {int((diff > 1e-5).sum())} of {diff.numel()} weights differ, by at most {float(diff.max()):.2e}")
+    assert float(diff.max()) <= 4 * trial.peak_lr
+    assert float((diff > 1e-5).double().mean()) < 1e-3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ def save_artifacts(location: str | None) -> str | None:
 # convert_frame.py; gb0039 in the graph-break registry): one count per refused compile, in counters["unimplemented"]
 RECOMPILE_LIMIT_BREAK = "Dynamo recompile limit exceeded"
 _hits_at_reset = 0  # recompile_limit_hits() when recover_from_fallback last reset Dynamo (or at start)
+_raised: tuple[int, int] | None = None  # (the global limit compile_model set on an older torch, the one it replaced)
 
 
 def recompile_limit() -> int:
@@ -89,11 +90,37 @@ def recompile_limit() -> int:
     from torch._dynamo import config
     from torch._dynamo.utils import counters
 
+    base = _configured_limit()
     frames = counters["frames"]
     # accumulated_recompile_limit also counts a code object's compile attempts (refused ones too): "total"
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
-                                             frames["total"] + config.recompile_limit)
-    return frames["ok"] + config.recompile_limit
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, frames["total"] + base)
+    return frames["ok"] + base
+
+
+def _configured_limit() -> int:
+    """torch._dynamo.config.recompile_limit as configured: the value compile_model replaced while it holds its own."""
+    from torch._dynamo import config
+
+    return _raised[1] if _raised is not None and config.recompile_limit == _raised[0] else config.recompile_limit
+
+
+def compile_model(module):
+    """`torch.compile(module, dynamic=False)` with this process's recompile limit (`recompile_limit`). Where
+    torch.compile has no `recompile_limit` argument (torch 2.11 lacks it; 2.13 has it), the process-wide
+    torch._dynamo.config.recompile_limit is raised to the same value instead: a slot's process trains one model
+    at a time, so the global limit is this model's."""
+    global _raised
+    import inspect
+
+    import torch
+    from torch._dynamo import config
+
+    limit = recompile_limit()
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(module, dynamic=False, recompile_limit=limit)
+    _raised = (limit, _configured_limit())
+    config.recompile_limit = limit
+    return torch.compile(module, dynamic=False)
 
 
 def recompile_limit_hits() -> int:

@@ -89,10 +89,10 @@ class RankModel:
         # static shapes: every micro-batch of a trial has one size (shard.epoch_plan); DDP wraps the compiled
         # module, so the probe step can run the very kernels training runs without DDP's collectives. Dynamo's
         # cache is shared with the process's earlier trials: sized so that they leave this one room
-        # (compile_cache.recompile_limit)
+        # (compile_cache.compile_model)
         if compiled:
             compile_cache.recover_from_fallback()
-            step_core = torch.compile(core, dynamic=False, recompile_limit=compile_cache.recompile_limit())
+            step_core = compile_cache.compile_model(core)
         else:
             step_core = core
         model = wrap(step_core) if wrap is not None else step_core

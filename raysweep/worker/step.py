@@ -166,8 +166,10 @@ class TrainStep:
         buffers = [b.clone() for b in model.buffers()]
         for p in self.params:
             p.grad = None
-        cuda = device.type == "cuda"  # the CPU generator is always forked; a GPU's only when named
-        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else None):
+        # the CPU generator is always forked; a GPU's only when named. device_type stays "cuda" on a CPU too (no
+        # CUDA device is named, none is touched): torch 2.11's fork_rng refuses None (torch/random.py)
+        cuda = device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
             with autocast(device, self.precision):
                 logits = model(x[:half])
             self.scaler.scale(LOSS_FN(logits.float(), y[:half])).backward()
