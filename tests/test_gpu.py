@@ -404,9 +404,10 @@ def test_one_rank_measures_the_noise_scale_by_halves_between_graph_replays(devic
     # H200, 253 of 1.78 M weights differed, by at most 0.0026 (LR 0.002); a replay that trained anything else (a
     # stale input, LR or gradient) moves most weights
     diff = (weights[True] - weights[False]).abs()
-    print(f"graphs vs eager: {int((diff > 1e-5).sum())} of {diff.numel()} weights differ, by at most {float(diff.max()):.2e}")
+    differ = int((diff > 1e-5).sum())
+    print(f"graphs vs eager: {differ} of {diff.numel()} weights differ, by at most {float(diff.max()):.2e}")
     assert float(diff.max()) <= 4 * trial.peak_lr
-    assert float((diff > 1e-5).double().mean()) < 1e-3
+    assert differ < 1e-3 * diff.numel()
 
 
 # ---------------------------------------------------------------------------------------------
