@@ -401,8 +401,8 @@ def test_one_rank_measures_the_noise_scale_by_halves_between_graph_replays(devic
     assert float(sums[True].noise_steps) == 4 and sums[True].noise_split == 2
     # AdamW divides each gradient by its own running scale: a weight whose gradient is ~0 takes a step of up to the
     # LR of either sign on a rounding difference (a replay may run other cuBLAS kernels than the eager call). On an
-    # H200, 253 and then 311 of 1.78 M weights differed, by at most 0.0030 (LR 0.002); a replay that trained anything else (a
-    # stale input, LR or gradient) moves most weights
+    # H200, 253 and then 311 of 1.78 M weights differed, by at most 0.0030 (LR 0.002); a replay that trained
+    # anything else (a stale input, LR or gradient) moves most weights
     diff = (weights[True] - weights[False]).abs()
     differ = int((diff > 1e-5).sum())
     print(f"graphs vs eager: {differ} of {diff.numel()} weights differ, by at most {float(diff.max()):.2e}")
