@@ -104,6 +104,45 @@ def _held(ray) -> str:
     return f"held {held}; live actors {actors}; placement groups {groups}"
 
 
+WATCH_BEFORE_TIMEOUT_S = 30  # what a Ray test near its timeout prints: a hang's state, before pytest-timeout ends it
+
+
+def _say_what_holds_it(ray, started: float) -> None:
+    """Print where every thread of this process is and what the session's cluster holds: a Ray test's captured
+    output then shows why it hung (CI keeps only the output, and the Ray logs go with the machine)."""
+    import faulthandler
+    import sys
+    import time
+
+    state = (f"--- {time.monotonic() - started:.0f} s into the test, {WATCH_BEFORE_TIMEOUT_S} s before its timeout: "
+             f"free {ray.available_resources()}; {_held(ray) or 'nothing held'}")
+    print(state, flush=True)
+    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+    print(state, flush=True)  # again after the stacks: a log cut short keeps one end
+
+
+@pytest.fixture(autouse=True)
+def _ray_test_watch(request):
+    """A test on the session's cluster that nears its timeout prints what it waits on (`_say_what_holds_it`)."""
+    if "ray_cluster" not in request.fixturenames:
+        yield
+        return
+    import threading
+    import time
+
+    marker = request.node.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if timeout <= WATCH_BEFORE_TIMEOUT_S:
+        yield
+        return
+    ray = request.getfixturevalue("ray_cluster")
+    watch = threading.Timer(timeout - WATCH_BEFORE_TIMEOUT_S, _say_what_holds_it, (ray, time.monotonic()))
+    watch.daemon = True
+    watch.start()
+    yield
+    watch.cancel()
+
+
 @pytest.fixture(autouse=True)
 def _session_ray_left_clean(request):
     """A test on the session's cluster must leave it as it found it: every CPU free again within CLEAN_WITHIN_S.
