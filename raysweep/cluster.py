@@ -217,9 +217,8 @@ def plan_when_free(config: SweepConfig, num_samples: int, say) -> Plan:
 ORPHAN_LOOK_EVERY_S = 10.0
 
 
-def remove_orphaned_groups(dead_actors: frozenset[str] = frozenset()) -> list[str]:
-    """Remove this job's placement groups whose creating actor is dead; returns their ids. `dead_actors`: ids (hex)
-    of actors known dead besides those the GCS's table marks so (a group registered as its creator died).
+def remove_orphaned_groups() -> list[str]:
+    """Remove this job's placement groups whose creating actor is dead; returns their ids.
 
     Train V2's controller (an actor) places its worker group's placement group; Ray frees such a group only once
     its creating actor *and* its job have both died (the GCS's lifetime rule, GcsPlacementGroup::
@@ -229,10 +228,15 @@ def remove_orphaned_groups(dead_actors: frozenset[str] = frozenset()) -> list[st
     (a broker lost, a SIGKILL) leaves the new group holding its CPUs and GPUs for as long as the driver's job lives:
     for ever in a process that goes on (a test session, a notebook). Such a group is owned by no one by
     construction: its creator is dead and it is not detached, so nothing can schedule into it again. Only this job's
-    groups are touched (another driver's go with its job). The GCS's own table (ray._private.state, as
-    `ray.util.placement_group_table` reads it) is read for `creator_actor_dead`, which the public table omits. A
-    group a driver placed (Tune's trial groups) has the nil actor as its creator, which the GCS marks dead from the
-    start (PlacementGroupSpecBuilder, ray's src/ray/common/placement_group.h): those are left alone."""
+    groups are touched (another driver's go with its job). A group placed by a driver (Tune's trial groups) has the
+    nil actor as its creator: those are left alone.
+
+    Dead by the GCS's own tables (ray._private.state, as `ray.util.placement_group_table` reads them): the group's
+    `creator_actor_dead` flag, which the public table omits, or else its creator's entry in the actor table. The
+    flag alone misses a death the GCS handled before it registered the group: a controller whose slot host was
+    SIGKILLed is marked dead at once (OWNER_DIED) while its process still runs, and a group it asks for in that
+    moment is registered with the flag unset and never set (seen here: a sweep waited for ever for the 2 CPUs of
+    such a group, its creator DEAD in the actor table)."""
     import ray
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
@@ -242,23 +246,43 @@ def remove_orphaned_groups(dead_actors: frozenset[str] = frozenset()) -> list[st
     job = ray.get_runtime_context().get_job_id()
     removed = []
     try:
-        infos = [table.FromString(blob) for blob in state._connect_and_get_accessor().get_placement_group_table()]
+        accessor = state._connect_and_get_accessor()
+        infos = [table.FromString(blob) for blob in accessor.get_placement_group_table()]
     except Exception as e:  # the GCS briefly unreachable: nothing known to be an orphan
         log.debug("reading the placement group table: %s", e)
         return removed
+    dead: dict[bytes, bool] = {}  # creator id → dead, by the actor table (one look per creator)
     for info in infos:
         placed_by_actor = info.creator_actor_id and not ray.ActorID(info.creator_actor_id).is_nil()
-        if (info.state != table.REMOVED and not info.is_detached and placed_by_actor
-                and (info.creator_actor_dead or info.creator_actor_id.hex() in dead_actors)
-                and info.creator_job_id.hex() == job):
-            pg_id = info.placement_group_id.hex()
-            log.warning("removing placement group %s: the actor that placed it is dead", pg_id)
-            try:
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID(info.placement_group_id)))
-                removed.append(pg_id)
-            except Exception as e:  # removed meanwhile
-                log.debug("placement group %s: %s", pg_id, e)
+        if (info.state == table.REMOVED or info.is_detached or not placed_by_actor
+                or info.creator_job_id.hex() != job):
+            continue
+        if not info.creator_actor_dead:
+            if info.creator_actor_id not in dead:
+                dead[info.creator_actor_id] = _actor_dead(accessor, info.creator_actor_id)
+            if not dead[info.creator_actor_id]:
+                continue
+        pg_id = info.placement_group_id.hex()
+        log.warning("removing placement group %s: the actor that placed it is dead", pg_id)
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(info.placement_group_id)))
+            removed.append(pg_id)
+        except Exception as e:  # removed meanwhile
+            log.debug("placement group %s: %s", pg_id, e)
     return removed
+
+
+def _actor_dead(accessor, actor_id: bytes) -> bool:
+    """The GCS's actor table holds `actor_id` as DEAD (unknown or unreadable: not known dead)."""
+    import ray
+    from ray.core.generated import gcs_pb2
+
+    try:
+        blob = accessor.get_actor_info(ray.ActorID(actor_id))
+    except Exception as e:  # noqa: BLE001 - the GCS briefly unreachable
+        log.debug("reading actor %s: %s", actor_id.hex(), e)
+        return False
+    return blob is not None and gcs_pb2.ActorTableData.FromString(blob).state == gcs_pb2.ActorTableData.DEAD
 
 
 def worker_env(compile_cache: str | None = None) -> dict[str, str]:

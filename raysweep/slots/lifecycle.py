@@ -97,20 +97,13 @@ def _remove_left_groups(wait_s: float) -> None:
     just before it died, and the GCS places that group after the broker's own last look: with no slot left to look
     again, it held the group's CPUs for as long as the driver's job lived (a test session, a notebook). CI saw it
     once: 2 CPUs held after a sweep whose every group set-up failed."""
-    import ray
-    from ray.util.state import list_actors
-
     from raysweep.cluster import remove_orphaned_groups
 
-    job = ray.get_runtime_context().get_job_id()
     started = time.monotonic()
     while True:
         try:
-            dead = frozenset(a.actor_id for a in list_actors(
-                filters=[("job_id", "=", job), ("state", "=", "DEAD")], limit=10_000, raise_on_missing_output=False)
-                if a.class_name.rsplit(".", 1)[-1] in SLOT_ACTORS)
-            removed = remove_orphaned_groups(dead)
-        except Exception as e:  # noqa: BLE001 - no state API, or Ray shutting down: nothing more to do
+            removed = remove_orphaned_groups()
+        except Exception as e:  # noqa: BLE001 - Ray shutting down: nothing more to do
             log.debug("removing left placement groups: %s", e)
             return
         waited = time.monotonic() - started
