@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT
 
 
-def _run(script: str) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"], capture_output=True,
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -55,10 +55,11 @@ def test_ray_overhead_quick_and_the_timeline_of_the_processes_a_trial_starts():
 
 
 def test_gpu_throughput_quick_checks_the_code_path_on_cpu():
-    out = _run("gpu_throughput.py")
+    out = _run("gpu_throughput.py", "--noise", "on,off")
     assert "MFLOP per image forward+backward" in out
     rows = [ln for ln in out.splitlines() if re.match(r"\s+(8|16)\s+(fp32|bf16)\s+off\s+eager", ln)]
-    assert len(rows) == 2 * 2  # batches × precisions, eager on a CPU
+    assert len(rows) == 2 * 2 * 2, out  # batches × precisions × with and without the noise meter, eager on a CPU
+    assert sum(ln.rstrip().split("eager")[1].startswith(", no meter") for ln in rows) == 4, out
 
 
 def test_noise_cost_quick():
