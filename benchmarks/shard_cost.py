@@ -44,7 +44,7 @@ def data_path_s(shard, n: int, world: int, num_batches: int, epoch: int, device:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    plan = plan_to_device(epoch_plan(n, num_batches, 0, epoch, 0, world), device)
+    plan = plan_to_device(epoch_plan(n, num_batches, n // world // num_batches, 0, epoch, 0, world), device)
     total = torch.zeros((), device=device)
     for row in plan:
         x, y = shard.batch(row)

@@ -43,6 +43,19 @@ def epoch_line(r: dict, epochs: int) -> str:
             f"{mem}{noise}{compiled}{clock}{reached}")
 
 
+SIT_OUT_SHOWN = 0.05  # a trial's start line says how much of the set an epoch leaves out from this share on
+
+
+def sitting_out(t) -> str:
+    """The end of a trial's start line where whole steps leave much of the set out of each epoch (config.TrialConfig:
+    steps_per_epoch is floor(train_size / global batch)), e.g. `; 2 steps an epoch: 49,152 of 50,000 samples`."""
+    if t.train_size - t.samples_per_epoch < SIT_OUT_SHOWN * t.train_size:
+        return ""
+    steps = f"{t.steps_per_epoch} step{'s' if t.steps_per_epoch > 1 else ''}"
+    return (f"; {steps} an epoch: {t.samples_per_epoch:,} of {t.train_size:,} samples (whole steps; the rest sit out, "
+            f"others each epoch)")
+
+
 class ConsoleProgress:
     """Readable progress on the driver: events as they happen and a table every `every_s` seconds.
 
@@ -84,8 +97,8 @@ class ConsoleProgress:
             baseline = " (baseline: the spec's defaults)" if self.trials.is_baseline(view.config) else ""
             print(f"[{now()}] start  {view.trial_id}{baseline}: per-GPU batch {t.knobs.per_gpu_batch_size} × "
                   f"{t.world_size} workers × {t.knobs.grad_accum_steps} accum = global {t.global_batch_size}, "
-                  f"peak LR {t.peak_lr:.2e}, warmup {t.knobs.warmup_epochs:g} ep, wd {t.knobs.weight_decay:.1e}",
-                  flush=True)
+                  f"peak LR {t.peak_lr:.2e}, warmup {t.knobs.warmup_epochs:g} ep, wd {t.knobs.weight_decay:.1e}"
+                  f"{sitting_out(t)}", flush=True)
 
     def trial_result(self, trial_id: str, result: dict) -> None:
         if result.get(EAGER_FALLBACK) and trial_id not in self.eager:
@@ -265,7 +278,8 @@ def print_check(config: SweepConfig, train_size: int, rungs: tuple[list, dict] |
     print(spec_yaml(config), end="")
     trial = config.trials.trial({}, train_size)
     print(f"# derived at the defaults ({train_size:,} training images)")
-    for key in (M.global_batch_size, M.peak_lr, M.steps_per_epoch, M.warmup_steps, M.total_steps):
+    for key in (M.global_batch_size, M.peak_lr, M.steps_per_epoch, M.samples_per_epoch, M.warmup_steps,
+                M.total_steps):
         print(f"#   {key}: {getattr(trial, key):.6g}")
     if data is not None:
         print_data_description(data)

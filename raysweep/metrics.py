@@ -98,7 +98,8 @@ METRIC_MODES = {"val_loss": "min", "val_exact_acc": "max", "val_char_acc": "max"
 RANKABLE_METRICS = tuple(METRIC_MODES)
 # a trial's MLflow params: its knobs and the values derived from them (config.TrialConfig.params builds them)
 TRIAL_PARAMS = ("per_gpu_batch_size", "base_lr", "warmup_epochs", "weight_decay", "grad_accum_steps", "lr_rule",
-                "global_batch_size", "peak_lr", "steps_per_epoch", "warmup_steps", "total_steps", "world_size",
+                "global_batch_size", "peak_lr", "steps_per_epoch", "samples_per_epoch", "warmup_steps", "total_steps",
+                "world_size",
                 "precision", "epochs", "train_size", "reference_batch_size", "min_lr", "grad_clip")
 
 

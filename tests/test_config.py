@@ -139,12 +139,13 @@ def test_derived_values_exact(tmp_path):
     trial = config3.trials.trial({"per_gpu_batch_size": 1024, "base_lr": 2e-4, "warmup_epochs": 2}, train_size=50_000)
     assert trial.global_batch_size == 3072
     assert trial.peak_lr == pytest.approx(6.928e-4, rel=1e-4)  # 2e-4 × sqrt(3072 / 256)
-    assert trial.steps_per_epoch == 17  # ceil(50000 / 3072)
-    assert trial.warmup_steps == 34 and trial.total_steps == 3 * 17
+    assert trial.steps_per_epoch == 16  # floor(50000 / 3072): whole steps (drop_last), 848 samples sit out
+    assert trial.samples_per_epoch == 16 * 3072
+    assert trial.warmup_steps == 32 and trial.total_steps == 3 * 16
     accum = config3.trials.trial({"per_gpu_batch_size": 512, "grad_accum_steps": 2, "base_lr": 2e-4}, train_size=50_000)
     assert accum.global_batch_size == 3072 and accum.peak_lr == trial.peak_lr
     params = trial.params()
-    assert params["global_batch_size"] == 3072 and params["world_size"] == 3
+    assert params["global_batch_size"] == 3072 and params["world_size"] == 3 and params["samples_per_epoch"] == 49_152
 
 
 def test_default_knobs_take_default_else_first_choice_or_lower_bound(tmp_path):
@@ -246,16 +247,17 @@ def test_data_too_small_for_the_trial_is_a_one_line_error(tmp_path):
         config.trials.check_data_fits(14)  # 7 per rank, but batch 1 × 8 accumulation steps is one step of 8
     assert str(e.value) == (
         "search.per_gpu_batch_size: 1 × 8 accumulation step(s) is more than a rank's share of the training set (14 "
-        "images over 2 workers: 7 each): it would run one step of 7 per rank with the LR scaled for 8; the largest "
-        "per-GPU batch this data runs is 1: lower the batch, or use more training images")
+        "images over 2 workers: 7 each), so not one whole step fits in an epoch; the largest per-GPU batch this data "
+        "runs is 1: lower the batch, or use more training images")
     config.trials.check_data_fits(14, searched=False)  # the defaults (batch 1, 1 step) fit
-    # a per-GPU batch cut into micro-batches by a cap needs a sample per micro-batch: batch 2 capped at 1 on 6 images
-    # is 2 steps of 2 micro-batches per rank, and a rank's share holds 3
+    # a per-GPU batch cut into micro-batches by a cap still takes whole steps: batch 2 capped at 1 on 6 images is one
+    # step of 2 micro-batches of 1 per rank (a share of 3: one sample sits out)
     import dataclasses
 
     two = dataclasses.replace(config.trials, search=config.search.model_copy(update={"per_gpu_batch_size": 2}))
-    with pytest.raises(UserError, match=r"^spec.yaml: data: 6 training images give each of 2 workers 3, too few for 4"):
-        two.check_data_fits(6, batch_cap=1, searched=False, source="spec.yaml")
+    two.check_data_fits(6, batch_cap=1, searched=False, source="spec.yaml")
+    capped = two.trial({}, 6, batch_cap=1)
+    assert (capped.steps_per_epoch, capped.micro_batch_size, capped.accumulation_steps) == (1, 1, 2)
 
 
 

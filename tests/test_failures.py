@@ -33,7 +33,13 @@ def test_downshift_keeps_global_batch_lr_and_steps():
     assert (d.micro_batch_size, d.accumulation_steps) == (48, 2)
     assert (d.global_batch_size, d.peak_lr, d.steps_per_epoch, d.total_steps) == (
         t.global_batch_size, t.peak_lr, t.steps_per_epoch, t.total_steps)
-    assert d.downshifted().micro_batch_size == 24 and _trial(batch=97).downshifted().micro_batch_size == 49
+    assert d.downshifted().micro_batch_size == 24
+    # micro-batches divide the per-GPU batch (a step takes the whole batch): 100 → 50 → 25 → 10; a prime → 1
+    shifts = [_trial(batch=100).downshifted()]
+    while len(shifts) < 3:
+        shifts.append(shifts[-1].downshifted())
+    assert [t.micro_batch_size for t in shifts] == [50, 25, 10] and shifts[-1].accumulation_steps == 10
+    assert _trial(batch=97).downshifted().micro_batch_size == 1
 
 
 def test_batch_cap_runs_large_batches_as_micro_batches(tmp_path):

@@ -56,7 +56,8 @@ def _rank_epochs(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     train, _ = rank_shards(ray.get(config["data"]), 36, torch.device("cpu"), rank, world)
     for epoch in (1, 2):
-        plan = epoch_plan(len(train), config["micro_batches"], config["seed"], epoch, rank, world).ravel()
+        plan = epoch_plan(len(train), config["micro_batches"], config["micro_batch"], config["seed"], epoch, rank,
+                          world).ravel()
         np.save(Path(config["out"]) / f"rank{rank}-epoch{epoch}.npy", plan)
 
 
@@ -86,6 +87,7 @@ def test_every_rank_trains_on_a_uniform_sample_of_a_label_sorted_folder(ray_clus
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     TorchTrainer(_rank_epochs, train_loop_config={"data": ray.put(data.for_workers()), "out": str(tmp_path),
                                                   "micro_batches": trial.micro_batches_per_epoch,
+                                                  "micro_batch": trial.micro_batch_size,
                                                   "seed": config.train.seed},
                  scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
                  run_config=RunConfig(storage_path=str(tmp_path / "ray"))).fit()

@@ -21,37 +21,40 @@ def _net(model, lr, precision="fp32", step_model=None):
     return RankModel(model if step_model is None else step_model, model, opt, scaler, precision, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("n, world, batches", [(512, 2, 8), (500, 3, 6), (50_000, 3, 17), (7, 2, 3)])
-def test_plans_are_equal_micro_batches_using_each_sample_at_most_once_per_epoch(n, world, batches):
+@pytest.mark.parametrize("n, world, micro", [(512, 2, 32), (500, 3, 27), (50_000, 3, 980), (7, 2, 1)])
+def test_plans_are_equal_micro_batches_using_each_sample_at_most_once_per_epoch(n, world, micro):
     """One micro-batch size on every rank (one shape to compile and replay); in an epoch the ranks' shares are
-    disjoint, and what is left over (n mod world, and under one sample per micro-batch of each share) is a
+    disjoint, and what is left over (n mod world, and each share's remainder past its whole micro-batches) is a
     different part of the set every epoch, so no sample is left out for good."""
     share = n // world
+    batches = share // micro
     used_over_epochs = set()
     for epoch in range(1, 9):
         flats = []
         for rank in range(world):
-            plan = epoch_plan(n, batches, seed=0, epoch=epoch, rank=rank, world_size=world)
-            assert plan.shape == (batches, share // batches)  # same count on every rank, one size
+            plan = epoch_plan(n, batches, micro, seed=0, epoch=epoch, rank=rank, world_size=world)
+            assert plan.shape == (batches, micro)  # same count on every rank, one size
             flats += plan.ravel().tolist()
         assert len(set(flats)) == len(flats) and set(flats) <= set(range(n))  # at most once per epoch, all ranks
-        assert n - len(flats) < batches * world + world
+        assert n - len(flats) < micro * world + world
         used_over_epochs.update(flats)
     assert used_over_epochs == set(range(n))
 
 
 def test_plans_reshuffle_each_epoch_across_ranks_and_replay_exactly():
-    a = epoch_plan(300, 4, seed=0, epoch=1, rank=0, world_size=3)
-    assert np.array_equal(a, epoch_plan(300, 4, seed=0, epoch=1, rank=0, world_size=3))
-    b = epoch_plan(300, 4, seed=0, epoch=2, rank=0, world_size=3)
+    a = epoch_plan(300, 4, 25, seed=0, epoch=1, rank=0, world_size=3)
+    assert np.array_equal(a, epoch_plan(300, 4, 25, seed=0, epoch=1, rank=0, world_size=3))
+    b = epoch_plan(300, 4, 25, seed=0, epoch=2, rank=0, world_size=3)
     # epoch 2 deals rank 0 a new share from the whole set: about a third of it is what rank 0 had in epoch 1
     assert 0.15 < len(set(a.ravel()) & set(b.ravel())) / a.size < 0.55
-    assert not np.array_equal(a, epoch_plan(300, 4, seed=1, epoch=1, rank=0, world_size=3))
+    assert not np.array_equal(a, epoch_plan(300, 4, 25, seed=1, epoch=1, rank=0, world_size=3))
 
 
 def test_too_small_share_is_a_clear_error():
-    with pytest.raises(ValueError, match="cannot fill 8 micro-batches"):
-        epoch_plan(15, 8, 0, 1, 0, 3)
+    with pytest.raises(ValueError, match="cannot fill 8 micro-batches of 1"):
+        epoch_plan(15, 8, 1, 0, 1, 0, 3)
+    with pytest.raises(ValueError, match="cannot fill 1 micro-batches of 6"):
+        epoch_plan(15, 1, 6, 0, 1, 0, 3)
 
 
 def _trial(batch=16, accum=1, n=96):

@@ -3,11 +3,10 @@ and the factory that makes one from the spec and a sampled knob dict (`TrialFact
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from raysweep.config.fields import LrRule, NonNegFloat, PosFloat, PosInt, Section
 from raysweep.config.knobs import Choice, knob_extremes, knob_first
@@ -35,11 +34,18 @@ class ImageSpec(Section):
     num_classes: PosInt
 
 
+def divisor_at_least(n: int, k: int) -> int | None:
+    """The smallest divisor of `n` that is ≥ `k` (None: none is, k > n): how many equal micro-batches a per-GPU
+    batch of n is cut into when at least k are needed."""
+    return next((d for d in range(max(k, 1), n + 1) if n % d == 0), None)
+
+
 class TrialConfig(Section):
     """What every rank of one trial needs; crosses the Ray boundary as `to_dict()`."""
 
     knobs: Knobs
-    micro_splits: PosInt = Field(1, description="micro-batches each per-GPU batch is cut into (memory cap, OOM)")
+    micro_splits: PosInt = Field(
+        1, description="equal micro-batches each per-GPU batch is cut into (memory cap, OOM); it divides the batch")
     train: TrainConfig
     model: ModelConfig
     scaling: ScalingConfig
@@ -47,6 +53,13 @@ class TrialConfig(Section):
     train_size: PosInt = Field(description="training images in the whole set")
     target: TargetConfig | None = Field(
         None, description="tune.target: the ranks watch for it (worker/run.TrainingRun.watch_target)")
+
+    @model_validator(mode="after")
+    def _whole_micro_batches(self):
+        if self.knobs.per_gpu_batch_size % self.micro_splits:
+            raise ValueError(f"micro_splits {self.micro_splits} does not divide per_gpu_batch_size "
+                             f"{self.knobs.per_gpu_batch_size}: a step would not take the whole batch")
+        return self
 
     @classmethod
     def from_dict(cls, d: dict) -> TrialConfig:
@@ -72,7 +85,16 @@ class TrialConfig(Section):
 
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self.train_size / self.global_batch_size)
+        """Whole optimizer steps an epoch: floor(train_size / global batch), DistributedSampler's and the DataLoader's
+        drop_last (every rank takes train_size // world_size, then whole steps of per-GPU × accumulation from it;
+        floor(floor(n / w) / (b·a)) = floor(n / (w·b·a))). The samples left over sit out this epoch, others the
+        next (shard.epoch_plan). 0 when the global batch exceeds the set: TrialFactory.check_data_fits refuses it."""
+        return self.train_size // self.global_batch_size
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Training samples an epoch takes, all ranks: whole steps of the global batch."""
+        return self.steps_per_epoch * self.global_batch_size
 
     @property
     def warmup_steps(self) -> int:
@@ -84,8 +106,8 @@ class TrialConfig(Section):
 
     @property
     def micro_batch_size(self) -> int:
-        """Samples per forward/backward on one rank: the per-GPU batch cut into micro_splits."""
-        return -(-self.knobs.per_gpu_batch_size // self.micro_splits)
+        """Samples per forward/backward on one rank: the per-GPU batch cut into micro_splits equal parts."""
+        return self.knobs.per_gpu_batch_size // self.micro_splits
 
     @property
     def accumulation_steps(self) -> int:
@@ -98,13 +120,22 @@ class TrialConfig(Section):
         return self.steps_per_epoch * self.accumulation_steps
 
     @property
-    def min_shard_size(self) -> int:
-        """Training samples of the smallest rank's shard (shards differ by at most one)."""
+    def rank_share(self) -> int:
+        """Training samples each rank is dealt an epoch (train_size // world_size: shard.epoch_plan); its steps are
+        taken whole from it."""
         return self.train_size // self.world_size
 
+    @property
+    def can_downshift(self) -> bool:
+        return self.micro_batch_size > 1
+
     def downshifted(self) -> TrialConfig:
-        """Half the micro-batch, twice the accumulation: the same global batch, LR and steps."""
-        return self.model_copy(update={"micro_splits": self.micro_splits * 2})
+        """About half the micro-batch (the largest one that divides the per-GPU batch and is at most half the current
+        one), and as many more accumulation steps: the same global batch, LR and steps."""
+        splits = divisor_at_least(self.knobs.per_gpu_batch_size, 2 * self.micro_splits)
+        if splits is None:
+            raise ValueError(f"micro-batch {self.micro_batch_size} cannot be cut further")
+        return self.model_copy(update={"micro_splits": splits})
 
     def params(self) -> dict[str, Any]:
         """Every knob and derived value, flat: the MLflow params of a trial."""
@@ -113,6 +144,7 @@ class TrialConfig(Section):
             "global_batch_size": self.global_batch_size,
             "peak_lr": self.peak_lr,
             "steps_per_epoch": self.steps_per_epoch,
+            "samples_per_epoch": self.samples_per_epoch,
             "warmup_steps": self.warmup_steps,
             "total_steps": self.total_steps,
             "world_size": self.world_size,
@@ -172,13 +204,14 @@ class TrialFactory:
     def trial(self, knobs: dict[str, Any], train_size: int, batch_cap: int | None = None) -> TrialConfig:
         """One trial's full config from sampled knob values (Tune's flat dict).
 
-        A per-GPU batch above `batch_cap` runs as a micro-batch ≤ the cap × more accumulation steps:
-        the same global batch, so the same peak LR and schedule.
+        A per-GPU batch above `batch_cap` runs as equal micro-batches ≤ the cap (the largest that divide it) × more
+        accumulation steps: the same global batch, so the same peak LR and schedule.
         """
         values = {**self.default_knobs(), **knobs}
         values.setdefault("grad_accum_steps", self.train.grad_accum_steps)
         values.setdefault("lr_rule", self.train.lr_rule)
-        splits = 1 if batch_cap is None else -(-values["per_gpu_batch_size"] // batch_cap)
+        batch = values["per_gpu_batch_size"]
+        splits = 1 if batch_cap is None else divisor_at_least(batch, -(-batch // batch_cap))
         return TrialConfig(
             micro_splits=splits,
             knobs=Knobs(**values),
@@ -194,13 +227,12 @@ class TrialFactory:
                         source: str = "") -> None:
         """Every trial the search can draw runs the batch it logs, on every rank's share of the training set.
 
-        A rank's share (train_size // workers) must hold one optimizer step at the asked per-GPU batch: a larger
-        batch would run as one step of the whole share, smaller than the batch its peak LR is scaled for and its
-        global_batch_size says. Refused rather than capped: a capped trial would duplicate the cap's trial under
-        another name, and the search would model a knob that changes nothing. And the share must fill the epoch's
-        micro-batches (`epoch_plan` needs one sample each at least). Checks the extremes of the search (smallest
-        and largest per-GPU batch × fewest and most accumulation steps), or the defaults alone when not
-        `searched`. Raises a one-line UserError (`source`: the spec file, to start it with).
+        A rank's share (train_size // workers) must hold one whole optimizer step at the asked per-GPU batch ×
+        accumulation (steps are taken whole, the rest of the share sits out: TrialConfig.steps_per_epoch). Refused
+        rather than capped: a capped trial would duplicate the cap's trial under another name, and the search would
+        model a knob that changes nothing. Checks the largest step the search can draw (largest per-GPU batch × most
+        accumulation steps; every smaller one fits if it does), or the defaults alone when not `searched`. Raises
+        a one-line UserError (`source`: the spec file, to start it with).
         """
         knobs = self.searched() if searched else {}
         defaults = self.default_knobs()
@@ -211,20 +243,11 @@ class TrialFactory:
         for batch in batches:
             for accum in accums:
                 t = self.trial({"per_gpu_batch_size": batch, "grad_accum_steps": accum}, train_size, batch_cap)
-                share = t.min_shard_size
+                share = t.rank_share
                 if batch * accum > share:
                     most = max(share // accum, 1)
                     raise UserError(
                         f"{where}search.per_gpu_batch_size: {batch} × {accum} accumulation step(s) is more than a "
                         f"rank's share of the training set ({train_size:,} images over {t.world_size} workers: "
-                        f"{share:,} each): it would run one step of {share:,} per rank with the LR scaled for "
-                        f"{batch * accum:,}; the largest per-GPU batch this data runs is {most:,}: lower the batch, or "
-                        f"use more training images")
-                if share < t.micro_batches_per_epoch:
-                    raise UserError(
-                        f"{where}data: {train_size} training images give each of {t.world_size} workers {share}, "
-                        f"too few for {t.micro_batches_per_epoch} micro-batches per epoch (per-GPU batch {batch} × "
-                        f"{t.accumulation_steps} accumulation steps, global batch {t.global_batch_size}); use more "
-                        f"training images (data.synthetic.train_size or data.train_dir), or fewer scaling.num_workers "
-                        f"or grad_accum_steps"
-                    )
+                        f"{share:,} each), so not one whole step fits in an epoch; the largest per-GPU batch this "
+                        f"data runs is {most:,}: lower the batch, or use more training images")

@@ -85,9 +85,8 @@ class TrainingRun:
 
     @property
     def micro_batch(self) -> int:
-        """The micro-batch the epochs run: the rank's share of the training set cut into equal micro-batches
-        (shard.epoch_plan)."""
-        return len(self.train) // self.trial.world_size // self.trial.micro_batches_per_epoch
+        """The micro-batch the epochs run: the per-GPU batch cut into micro_splits equal parts (shard.epoch_plan)."""
+        return self.trial.micro_batch_size
 
     def fit_in_memory(self, proven: int = 0) -> None:
         """One probe step at the trial's micro-batch on every rank before training (with the compiled step, the
@@ -107,7 +106,7 @@ class TrainingRun:
                     log.warning("OOM at micro-batch %d: running %d × %d",
                                 2 * micro, micro, self.trial.accumulation_steps)
                 return
-            if shift == self.trial.train.max_downshifts or micro == 1:
+            if shift == self.trial.train.max_downshifts or not self.trial.can_downshift:
                 break
             self.trial = self.trial.downshifted()
             self.downshifts += 1

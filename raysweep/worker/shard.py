@@ -25,26 +25,27 @@ def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return n * rank // world_size, n * (rank + 1) // world_size
 
 
-def epoch_plan(n: int, num_batches: int, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:
-    """This rank's training samples for one epoch, (num_batches, (n // world_size) // num_batches) indices into
-    the whole training set of n.
+def epoch_plan(n: int, num_batches: int, micro_batch: int, seed: int, epoch: int, rank: int,
+               world_size: int) -> np.ndarray:
+    """This rank's training samples for one epoch, (num_batches, micro_batch) indices into the whole training set of
+    n: the epoch's optimizer steps × accumulation micro-batches, each of exactly `micro_batch` samples.
 
     One permutation of the whole set per epoch, seeded by (seed, epoch) and so the same on every rank; rank r takes
-    the r-th of world_size equal shares (DistributedSampler with drop_last: the n mod world_size samples past the
-    last share sit out this epoch, different ones every epoch). The share is cut into micro-batches of one size, so
-    that a compiled step has one shape to compile and a CUDA graph one to replay; the share mod num_batches samples
-    left over (fewer than one per micro-batch) are the share's tail. Every sample is used at most once per epoch,
-    and every rank makes the same number of micro-batches (DDP's collectives need that).
+    the r-th of world_size equal shares and from it whole micro-batches (DistributedSampler and the DataLoader with
+    drop_last: the n mod world_size samples past the last share and each share's remainder past its whole steps sit
+    out this epoch, different ones every epoch). Every micro-batch has one size, so a compiled step has one shape to
+    compile and a CUDA graph one to replay, and a step takes the per-GPU batch its peak LR is scaled for; every
+    sample is used at most once per epoch, and every rank makes the same number of micro-batches (DDP's collectives
+    need that).
     """
     share = n // world_size
-    if share < num_batches:
+    if share < num_batches * micro_batch:
         raise ValueError(
-            f"a rank's share of {share} samples cannot fill {num_batches} micro-batches per epoch; "
-            f"use more data or fewer workers / accumulation steps"
+            f"a rank's share of {share} samples cannot fill {num_batches} micro-batches of {micro_batch} per epoch; "
+            f"use more data or a smaller per-GPU batch"
         )
-    size = share // num_batches
     perm = np.random.default_rng([seed, epoch]).permutation(n)
-    return perm[rank * share: rank * share + num_batches * size].reshape(num_batches, size)
+    return perm[rank * share: rank * share + num_batches * micro_batch].reshape(num_batches, micro_batch)
 
 
 def plan_to_device(plan: np.ndarray, device: torch.device) -> torch.Tensor:

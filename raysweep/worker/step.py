@@ -222,14 +222,12 @@ class TrainStep:
 def train_one_epoch(net: RankModel, shard: Shard, scheduler, trial: TrialConfig, epoch: int, rank: int) -> TrainSums:
     """One pass over the rank's share of the training set (`shard`: all of it, shard.epoch_plan deals the shares);
     returns on-device sums (no host sync inside, but the graph's capture)."""
-    tc = trial.train
-    num_batches = trial.micro_batches_per_epoch
-    share = len(shard) // trial.world_size
-    if share > (trial.micro_batch_size + 1) * num_batches:
-        raise ValueError(f"a share of {share} samples is more than {num_batches} micro-batches of "
-                         f"{trial.micro_batch_size}: train_size {trial.train_size} does not describe this data")
-    plan = plan_to_device(epoch_plan(len(shard), num_batches, tc.seed, epoch, rank, trial.world_size), net.device)
-    micro_batch, accum = plan.shape[1], trial.accumulation_steps
+    num_batches, micro_batch, accum = trial.micro_batches_per_epoch, trial.micro_batch_size, trial.accumulation_steps
+    if len(shard) != trial.train_size:
+        raise ValueError(f"a training set of {len(shard)} samples, where the trial was planned for train_size "
+                         f"{trial.train_size}: its steps per epoch and schedule would not describe this data")
+    plan = plan_to_device(epoch_plan(len(shard), num_batches, micro_batch, trial.train.seed, epoch, rank,
+                                     trial.world_size), net.device)
     faults.FAULTS.check_oom(micro_batch)  # what runs, as the probe step checks it
     train_step = net.train_step
     if train_step is None or not train_step.runs(shard, micro_batch, accum):
