@@ -18,10 +18,14 @@ ASHA saw instead:
   steered away from the trials the report ranks best;
 - a failed trial is told by its kind (failures.py, which the driver's MLflow callback reads from the trial's error
   and notes: Tune tells a searcher only that a trial errored, before its callbacks run, so the searcher settles
-  failures at its next call): one that diverged or ran out of memory is COMPLETE with a value worse than any seen
-  (`inf`), so TPE's model draws fewer of its learning rates and batches (FAIL, which TPE ignores, let it propose
-  them again); one that failed for the infrastructure is not told at all: its Optuna trial stays RUNNING, and
-  when `tune --resume` continues it, its real result is told; an `error` (its code raised) is FAIL.
+  failures at its next call, and before the study is saved: a trial that errors after the last suggestion is
+  settled in the study Tune saves at the end): one that diverged or ran out of memory is COMPLETE with the worst
+  value for the study's direction (`worst_value`: +inf when it minimises, -inf when it maximises), so TPE's model
+  draws fewer of its learning rates and batches (FAIL, which TPE ignores, let it propose them again); one that failed
+  for the infrastructure says nothing of its knobs and is FAIL too (left RUNNING, TPE's constant_liar, on whenever
+  trials run at once, counts it among the worst trials: optuna/samplers/_tpe/sampler.py, `_split_trials`), and when
+  `tune --resume` continues it, its results go to a new Optuna trial of the same knobs, with the rung values it had
+  been told; an `error` (its code raised) is FAIL.
 
 RungTPE limits the trials in flight itself (`set_max_concurrency`): Tune's ConcurrencyLimiter forgets a trial once
 it errors and forwards nothing of it again, so a trial --resume continued never reached the study.
@@ -136,7 +140,12 @@ def tpe_space(searched: dict[str, Any]) -> dict[str, Any]:
 
 UNREACHED = 1e9  # with tune.target: a trial that did not reach it counts as this plus its metric (past every
 # time: 31 years of training; at 1e9 a double still tells metrics 1e-7 apart, at 1e12 only 1e-4)
-WORST = float("inf")  # a trial that diverged or ran out of memory: worse than any value (TPE orders, never adds)
+
+
+def worst_value(direction: str) -> float:
+    """A trial that diverged or ran out of memory: worse than any value for a study that minimises ("min": +inf) or
+    maximises ("max": -inf). TPE orders values, never adds them."""
+    return math.inf if direction == "min" else -math.inf
 
 
 class RungTPE(OptunaSearch):
@@ -152,6 +161,7 @@ class RungTPE(OptunaSearch):
         self._reported: dict[str, set[float]] = {}  # trial id → the rungs told
         self._live: set[str] = set()  # suggested (or resumed) and not ended: the trials in flight
         self._errored: dict[str, dict | None] = {}  # errored, kind not yet noted: trial id → its last result
+        self._lost: set[str] = set()  # failed for the infrastructure: told FAIL, its knobs reopened if it continues
         self._max_concurrent = 0  # 0: no limit
         super().__init__(space=space, **kwargs)
 
@@ -210,6 +220,7 @@ class RungTPE(OptunaSearch):
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         self._settle()
+        self._reopen(trial_id)
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:
             return
         self._live.add(trial_id)  # a trial --resume continued is in flight again
@@ -220,6 +231,8 @@ class RungTPE(OptunaSearch):
 
         self._settle()
         self._live.discard(trial_id)
+        if not error:
+            self._reopen(trial_id)
         if trial_id in self._completed_trials or trial_id not in self._ot_trials:
             return  # told already (a settled trial reported again on --resume), or never asked of this study
         if result:
@@ -239,8 +252,9 @@ class RungTPE(OptunaSearch):
         self._completed_trials.add(trial_id)
 
     def _settle(self) -> None:
-        """Tell the errored trials whose kind the driver has noted (failures.note_kind): diverged and oom as WORST,
-        infra not at all (it may be continued: its Optuna trial stays RUNNING), error as FAIL."""
+        """Tell the errored trials whose kind the driver has noted (failures.note_kind): diverged and oom as the
+        worst value for the study's direction, error and infra as FAIL (an infra trial may be continued: _reopen)."""
+        from optuna.study import StudyDirection
         from optuna.trial import TrialState
 
         for trial_id in list(self._errored):
@@ -248,14 +262,36 @@ class RungTPE(OptunaSearch):
             if kind is None:
                 continue
             del self._errored[trial_id]
-            if kind == INFRA:
-                continue
             ot_trial = self._ot_trials[trial_id]
             if kind in (DIVERGED, OOM):
-                self._ot_study.tell(ot_trial, WORST)
+                direction = "max" if self._ot_study.direction == StudyDirection.MAXIMIZE else "min"
+                self._ot_study.tell(ot_trial, worst_value(direction))
+                self._completed_trials.add(trial_id)
+                continue
+            self._ot_study.tell(ot_trial, state=TrialState.FAIL)
+            if kind == INFRA:
+                self._lost.add(trial_id)
             else:
-                self._ot_study.tell(ot_trial, state=TrialState.FAIL)
-            self._completed_trials.add(trial_id)
+                self._completed_trials.add(trial_id)
+
+    def _reopen(self, trial_id: str) -> None:
+        """A trial that failed for the infrastructure and goes on (`tune --resume`): a new Optuna trial of its knobs,
+        told the rung values the failed one had been told, takes its place (a told trial cannot be told again)."""
+        if trial_id not in self._lost:
+            return
+        self._lost.discard(trial_id)
+        failed = self._ot_study.trials[self._ot_trials[trial_id].number]
+        self._ot_study.enqueue_trial(failed.params, skip_if_exists=False)
+        again = self._ot_study.ask(self._space)  # the enqueued knobs: nothing else asks between the two calls
+        for step, value in failed.intermediate_values.items():
+            again.report(value, step)
+        self._ot_trials[trial_id] = again
+
+    def save(self, checkpoint_path: str) -> None:
+        """Tune saves the searcher with the experiment (after every trial's end, and once more when the sweep
+        ends): what the driver has noted since the last call is told first."""
+        self._settle()
+        super().save(checkpoint_path)
 
 
 def restored(experiment_path: str) -> RungTPE:

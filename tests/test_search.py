@@ -76,9 +76,9 @@ def test_a_trial_asha_cut_reaches_optuna_pruned_with_its_rung_values_at_their_bu
 def test_failures_are_told_by_kind_and_one_resume_continues_reaches_the_study_through_tunes_limiter():
     """Through Tune's own ConcurrencyLimiter (one trial at a time), as a sweep runs it: a trial that diverged or ran
     out of memory is COMPLETE with a value worse than any (TPE draws fewer like it; FAIL, which TPE ignores, let it
-    propose them again), one whose code raised is FAIL, and one that failed for the infrastructure is left RUNNING:
-    when --resume continues it, its real end reaches the study (the limiter had forgotten it, and the searcher had
-    closed it as FAIL)."""
+    propose them again), one whose code raised is FAIL, and one that failed for the infrastructure is FAIL too (it
+    says nothing of its knobs: left RUNNING, constant_liar counted it among the worst trials for good): when --resume
+    continues it, its real end reaches the study as a trial of the same knobs (the limiter had forgotten it)."""
     from optuna.trial import TrialState
     from ray.tune.search import ConcurrencyLimiter
 
@@ -101,12 +101,63 @@ def test_failures_are_told_by_kind_and_one_resume_continues_reaches_the_study_th
     assert state["kind-nan"].state == TrialState.COMPLETE and state["kind-nan"].value == math.inf
     assert state["kind-oom"].state == TrialState.COMPLETE and state["kind-oom"].value == math.inf
     assert state["kind-bug"].state == TrialState.FAIL
-    assert state["kind-lost"].state == TrialState.RUNNING
-    # --resume continues the lost trial: its reports and end reach the study through the limiter
+    assert state["kind-lost"].state == TrialState.FAIL
+    running = search.study.get_trials(states=(TrialState.RUNNING,))  # what constant_liar counts among the worst
+    assert [t.number for t in running] == [search.numbers["kind-next"]]
+    # --resume continues the lost trial: its reports and end reach the study through the limiter, as a trial of its
+    # knobs with the rung values it had been told
     limited.on_trial_result("kind-lost", {"epoch": 3, "val_loss": 0.35})
     limited.on_trial_complete("kind-lost", {"epoch": 4, "val_loss": 0.3})
     lost = search.study.trials[search.numbers["kind-lost"]]
-    assert lost.state == TrialState.COMPLETE and lost.value == 0.3
+    assert lost.state == TrialState.COMPLETE and lost.value == 0.3 and lost.number == len(ids) + 1  # after kind-next
+    assert lost.params == state["kind-lost"].params and lost.intermediate_values == {2: 0.5}
+
+
+@pytest.mark.parametrize("kind", ["diverged", "oom"])
+def test_a_failed_trial_is_the_worst_value_for_a_study_that_maximises(kind):
+    """tune.mode max and no target (one_gpu.yaml with tune.search: tpe): a trial that diverged or ran out of memory
+    was told +inf, the best value a maximising study can hold, so TPE drew more of the batches and LRs that blow up."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from raysweep.failures import note_kind
+    from raysweep.metrics import Horizon
+    from raysweep.search import RungTPE
+
+    space = {"base_lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
+    search = RungTPE(space, Horizon("epoch", 4), (2.0,), metric="val_exact_acc", mode="max", sweep_mode="max",
+                     sampler=optuna.samplers.TPESampler(seed=0))
+    for trial_id, acc in (("good", 0.6), ("fair", 0.3)):
+        search.suggest(trial_id)
+        search.on_trial_complete(trial_id, {"epoch": 4, "val_exact_acc": acc})
+    search.suggest("blew-up")
+    search.on_trial_complete("blew-up", error=True)
+    note_kind("blew-up", kind)
+    search.suggest("next")
+    blew_up = search.study.trials[search.numbers["blew-up"]]
+    assert blew_up.state == TrialState.COMPLETE and blew_up.value == -math.inf
+    assert search.study.best_trial.number == search.numbers["good"]
+
+
+def test_a_trial_that_errors_after_the_last_suggestion_is_settled_before_the_study_is_saved(tmp_path):
+    """The sweep's last trial errors: Tune tells the searcher, then the driver's callback notes the kind, and no
+    suggest follows; the study Tune saves at the end (and `report`, and --resume, read back) held it RUNNING."""
+    from optuna.trial import TrialState
+
+    from raysweep.failures import note_kind
+    from raysweep.search import restored
+
+    search = _tpe("epoch", 4, (2.0,))
+    search.suggest("first")
+    search.on_trial_complete("first", {"epoch": 4, "val_loss": 0.4})
+    search.suggest("last")
+    search.on_trial_result("last", {"epoch": 2, "val_loss": 0.5})
+    search.on_trial_complete("last", error=True)
+    note_kind("last", "oom")
+    search.save_to_dir(str(tmp_path), session_str="end")
+    saved = restored(str(tmp_path))
+    last = saved.study.trials[saved.numbers["last"]]
+    assert last.state == TrialState.COMPLETE and last.value == math.inf
 
 
 def test_with_a_target_the_study_minimises_what_the_sweep_ranks_by():
