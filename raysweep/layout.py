@@ -53,9 +53,10 @@ def last_checkpoint_epoch(run_dir: str) -> int:
 
 
 def write_clock(run_dir: str, epoch: int, train_seconds: float) -> None:
-    """Rank 0, after an epoch that saved no checkpoint (train.checkpoint_every > 1): the training seconds it reached.
-    A restart goes back to the last checkpoint and trains the epochs after it again; their first run's seconds are
-    in no checkpoint, and without this the clock would run backwards and the lost time vanish (read_clock)."""
+    """Rank 0, after an epoch that saved no checkpoint (train.checkpoint_every > 1), in a thread of its own
+    (worker/entry.ClockWriter): the training seconds it reached. A restart goes back to the last checkpoint (or, with
+    none yet, to the start) and trains the epochs after it again; their first run's seconds are in no checkpoint,
+    and without this the clock would run backwards and the lost time vanish (read_clock)."""
     storage.write_bytes(storage.join(run_dir, CLOCK_FILE),
                         json.dumps({"epoch": epoch, "train_seconds": train_seconds}).encode())
 

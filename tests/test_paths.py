@@ -85,6 +85,57 @@ def test_a_restore_past_which_epochs_trained_again_keeps_the_clock_going_forward
     assert older.train_seconds == state[2]["train_seconds"]
 
 
+def test_a_restart_before_the_first_checkpoint_keeps_the_seconds_already_trained():
+    """train.checkpoint_every 50 (large_batch.yaml): a group lost at epoch 3 left no checkpoint, only its clock. The
+    trial starts over from epoch 1, but on the clock it had reached: it got a fresh time budget, and its
+    time_to_target_s left the lost seconds out. A target reached in the first epoch again is interpolated from there."""
+    fresh = _run(_target_trial(0.5, stop=False, epochs=3))
+    assert fresh.restore(None, (3, 42.0)) == 1 and fresh.train_seconds == 42.0
+    (epoch, first), *_ = _epochs(fresh, 1, {})
+    assert epoch == 1 and first["train_seconds"] > 42.0
+    assert 42.0 < first["time_to_target_s"] < first["train_seconds"]
+    assert _run(_target_trial(0.5)).restore(None) == 1  # no clock either: a fresh start
+
+
+def test_a_clock_write_never_holds_the_epoch_and_a_storage_error_is_the_stores(tmp_path):
+    """Rank 0 writes the clock in a thread of its own: a store that blocks (a FIFO where the file's temporary copy
+    goes: open() waits for a reader) holds the thread, not the epoch; a store that refuses (that FIFO, which fsync
+    refuses with EINVAL; a folder where the file goes) is a failure the next epoch's report reads (worker/entry's
+    sender ends the trial as `infra` there)."""
+    import os
+    import threading
+
+    from raysweep.layout import CLOCK_FILE, read_clock
+    from raysweep.worker.entry import ClockWriter
+
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    fifo = blocked / f".{CLOCK_FILE}.{os.getpid()}.tmp"
+    os.mkfifo(fifo)
+    clock = ClockWriter(str(blocked))
+    caller = threading.Thread(target=clock.write, args=(1, 1.5))
+    caller.start()
+    caller.join(timeout=10)
+    assert not caller.is_alive(), "write() waited for the store"
+    assert not clock.flush(0.5) and clock.failure is None  # the thread waits in the FIFO's open()
+    with open(fifo, "rb") as reader:  # a reader: the write goes through, and fsync refuses a FIFO
+        assert clock.flush(10)
+        assert reader.read() == b'{"epoch": 1, "train_seconds": 1.5}'
+    assert clock.failure is not None and "OSError" in clock.failure, clock.failure
+    clock.close()
+
+    run_dir = tmp_path / "trial-x"
+    clock = ClockWriter(str(run_dir))
+    clock.write(2, 3.0)
+    assert clock.flush(10) and read_clock(str(run_dir)) == (2, 3.0) and clock.failure is None
+    (run_dir / CLOCK_FILE).unlink()
+    (run_dir / CLOCK_FILE).mkdir()  # the store refuses the next write
+    clock.write(3, 4.5)
+    assert clock.flush(10)
+    assert clock.failure is not None and "IsADirectoryError" in clock.failure
+    clock.close()
+
+
 def test_the_sweeps_folder_names_live_in_layout_alone():
     """No module but layout.py spells a sweep's folder or file names (train/trial-<id>, checkpoint_<epoch>,
     state.pt, clock.json, slot-<n>, probe.json): resume.py reads a trial's checkpoints without

@@ -171,6 +171,42 @@ def test_trial_whose_restarts_are_spent_ends_failed_with_the_cause(ray_cluster, 
     assert _steps(tmp_path, run)[0] == 1  # the epochs before the crash stay recorded
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_a_store_that_refuses_the_clock_ends_the_trial_as_the_infrastructures_failure(ray_cluster, tmp_path, capsys):
+    """train.checkpoint_every 3: epochs 1 and 2 leave only their clock (rank 0 writes it off the epoch's path). Once
+    epoch 1's is written, its file becomes a folder: the store refuses epoch 2's. A restart would forget those
+    seconds, so the trial stops at its next report and fails as `infra` (it resumes from its checkpoint on another
+    group within train.max_infra_retries; 0 here), not as its own `error`, which --resume never runs again."""
+    from raysweep.layout import CLOCK_FILE
+
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+                     train={"epochs": 4, "reference_batch_size": 64, "checkpoint_every": 3, "max_infra_retries": 0})
+    broken = []
+
+    def break_the_clock():
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            found = list((tmp_path / "results").glob(f"t-train/train/trial-*/{CLOCK_FILE}"))
+            if found:
+                found[0].unlink()
+                found[0].mkdir()
+                broken.append(found[0])
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=break_the_clock, daemon=True)
+    thread.start()
+    assert main(["train", str(write_spec(tmp_path, spec))]) == 1  # no trial succeeded
+    thread.join(timeout=10)
+    assert broken, "no clock was written"
+    (run,) = _children(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["failure"] == "infra"
+    assert "the trial's clock could not be written under" in run.data.tags["error"], run.data.tags["error"]
+    assert "IsADirectoryError" in run.data.tags["error"]
+    assert _steps(tmp_path, run) == [1, 2]  # epoch 3's report never went: the trial stopped before it
+
+
 def test_resumed_asha_keeps_its_rungs_and_cuts_against_them():
     """Ray does not save the scheduler (#30838); the RungKeeper callback does, and a restored scheduler
     cuts a new trial against the rungs recorded before the crash."""

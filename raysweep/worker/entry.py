@@ -12,6 +12,8 @@ Ray is imported inside the functions: the rest of the worker runs (and is tested
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import torch
 
 from raysweep import layout, storage
 from raysweep.config import TrialConfig
+from raysweep.failures import INFRA, Failure
 from raysweep.metrics import EAGER_FALLBACK, report_dict
 from raysweep.protocol import Retire, Task
 from raysweep.worker import compile_cache
@@ -171,9 +174,14 @@ class SlotRank:
                           data_ready=data_ready)
         else:  # a warm group: it only had to hear of the trial
             stamps.update(slot_asked=picked, group_started=picked, data_ready=picked)
-        send = self._sender(run, run_dir, assignment.seq, stamps)
-        trained, failure = train_epochs(run, start_epoch, send, self.cache,
-                                        on_probed=lambda: stamps.update(probed=time.time()), proven=self.proven)
+        clock = ClockWriter(run_dir) if self.me.rank == 0 else None
+        send = self._sender(run, run_dir, assignment.seq, stamps, clock)
+        try:
+            trained, failure = train_epochs(run, start_epoch, send, self.cache,
+                                            on_probed=lambda: stamps.update(probed=time.time()), proven=self.proven)
+        finally:
+            if clock is not None:
+                clock.close()
         if trained:
             self.proven = max(self.proven, run.micro_batch)
         # the failure as its record (failures.Failure: its kind reaches Tune and MLflow as it is); the exception goes
@@ -181,6 +189,8 @@ class SlotRank:
         # kept to the end of this call, that is a reference cycle, and the run would wait for the cyclic collector
         outcome = failure.failure if failure is not None else None
         del failure
+        if outcome is None and clock is not None and clock.failure is not None:  # the send that saw it stopped all
+            outcome = Failure(INFRA, f"the trial's clock could not be written under {run_dir}: {clock.failure}")
         return outcome
 
     def _shards(self, classes: int) -> tuple[Shard, Shard]:
@@ -190,9 +200,12 @@ class SlotRank:
             self.shards[classes] = rank_shards(me.data, classes, me.device, me.rank, me.world_size)
         return self.shards[classes]
 
-    def _sender(self, run: TrainingRun, run_dir: str, seq: int, timeline: dict | None):
-        """train_epochs' `send` for one assignment: rank 0 checkpoints where due and reports to the broker (the
-        start-up `timeline` with the first trained epoch); every rank gets its answer, whether to go on."""
+    def _sender(self, run: TrainingRun, run_dir: str, seq: int, timeline: dict | None,
+                clock: ClockWriter | None = None):
+        """train_epochs' `send` for one assignment: rank 0 checkpoints where due, has the clock written where not
+        (`clock`, rank 0's) and reports to the broker (the start-up `timeline` with the first trained epoch); every
+        rank gets its answer, whether to go on. A clock the store refused stops the trial here (`_train` ends it
+        as `infra`)."""
         def send(payload: dict, epoch: int | None) -> bool:
             nonlocal timeline
             due = epoch is not None and (epoch % run.trial.train.checkpoint_every == 0 or epoch >= run.epochs
@@ -201,14 +214,17 @@ class SlotRank:
             if self.me.rank == 0:
                 # a checkpoint only once the store holds every earlier epoch (Broker.recorded_through): usually
                 # at once (MLflow wrote the last epoch while this one trained)
-                if due and not self.ask(lambda: self.broker.recorded_through.remote(seq, epoch - 1, self.store_wait_s),
-                                        self.store_wait_s, again=True):
+                if clock is not None and clock.failure is not None:
+                    go = False  # the store refused an earlier epoch's clock: a restart would forget its seconds
+                elif due and not self.ask(lambda: self.broker.recorded_through.remote(seq, epoch - 1,
+                                                                                      self.store_wait_s),
+                                          self.store_wait_s, again=True):
                     go = False  # the trial was ended (or its driver stopped): no checkpoint past what the store holds
                 else:
                     if due:
                         save_checkpoint(run_dir, epoch, run.state(epoch, payload))
-                    elif epoch is not None:  # a restart trains this epoch again: its seconds must not vanish
-                        layout.write_clock(run_dir, epoch, run.train_seconds)
+                    elif epoch is not None and clock is not None:  # a restart trains it again: its seconds stay
+                        clock.write(epoch, run.train_seconds)
                     go = self.ask(lambda: self.broker.report.remote(  # not repeated: a report is appended
                         seq, payload, timeline if epoch is not None else None, epoch is None), self.decision_wait_s)
                 if epoch is not None:
@@ -254,6 +270,50 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         return trained, failure
     return trained, None
+
+class ClockWriter:
+    """Rank 0 of a trial: the training seconds each epoch without a checkpoint reached (layout.write_clock), written
+    by a thread of its own, in order, off the epoch's path: no rank waits on the store for it (a checkpoint
+    carries its own clock). A write the store refuses is `failure` from then on: the next epoch's send stops the
+    trial, which ends as `infra` and resumes from its checkpoint on another group (its own code did nothing wrong).
+    The thread is a daemon and never joined: a store that hangs holds it, not the group."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.failure: str | None = None  # the first write the store refused: "ErrorType: message"
+        self._queue: queue.Queue = queue.Queue()
+        self._done = threading.Condition()
+        self._queued = self._written = 0
+        threading.Thread(target=self._run, name="raysweep-clock", daemon=True).start()
+
+    def write(self, epoch: int, train_seconds: float) -> None:
+        """Queue the clock of `epoch`; returns at once."""
+        with self._done:
+            self._queued += 1
+        self._queue.put((epoch, train_seconds))
+
+    def flush(self, timeout_s: float) -> bool:
+        """Whether every write queued so far was done (or refused) within `timeout_s`."""
+        with self._done:
+            return self._done.wait_for(lambda: self._written >= self._queued, timeout_s)
+
+    def close(self) -> None:
+        """No more writes: the thread leaves after the queued ones."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if self.failure is None:
+                    layout.write_clock(self.run_dir, *item)
+            except Exception as e:  # OSError locally, pyarrow's errors on S3: the store's, whatever they are
+                self.failure = f"{type(e).__name__}: {e}"
+                log.warning("the clock of epoch %d could not be written under %s: %s", item[0], self.run_dir,
+                            self.failure)
+            with self._done:
+                self._written += 1
+                self._done.notify_all()
+
 
 # raysweep's own checkpoints of a trial on a warm group, in the trial's folder (layout.py names them): the newest
 # layout.KEPT_CHECKPOINTS kept

@@ -63,10 +63,12 @@ class TrainingRun:
     def restore(self, state: dict | None, clock: tuple[int, float] = (0, 0.0)) -> int:
         """Continue from a checkpoint's state (`entry.load_latest`) if there is one; returns the epoch to start at.
         `clock`: (epoch, training seconds) the trial's latest epoch reached (layout.read_clock). Past the checkpoint
-        (train.checkpoint_every > 1), the epochs after it are trained again: their first run is time the restart
-        lost, so the clock goes on from where it had got to (those seconds, and the re-run's, each counted once)
-        and never runs backwards."""
+        (train.checkpoint_every > 1), or with no checkpoint yet, the epochs after it are trained again: their first
+        run is time the restart lost, so the clock goes on from where it had got to (those seconds, and the
+        re-run's, each counted once) and never runs backwards: a time budget is not handed out again, and the time
+        to a target counts what the trial cost."""
         if state is None:
+            self.train_seconds = clock[1] if clock[0] > 0 else 0.0
             return 1
         self.net.core.load_state_dict(state["model"])
         load_optimizer_state(self.net.optimizer, state["optimizer"])
@@ -160,9 +162,10 @@ class TrainingRun:
         n = max(s["samples"], 1)
         value = {"val_loss": s["loss"] / n, "train_loss": s["loss"] / n, "val_exact_acc": s["exact"] / n,
                  "val_char_acc": s["chars"] / max(s["char_total"], 1)}[target.metric]
-        self.target_point = (0.0, 0.0, 0.0, value)
+        # the clock starts where a restart before the first checkpoint left it (restore): 0 on a first start
+        self.target_point = (self.train_seconds, 0.0, 0.0, value)
         if reached(value, target.value, target.mode):
-            self.to_target = (0.0, 0.0, 0.0)
+            self.to_target = (self.train_seconds, 0.0, 0.0)
 
     def watch_target(self, metrics: EpochMetrics) -> EpochMetrics:
         """tune.target: once an epoch reaches it, the time to it (metrics.to_target) goes with every report."""
