@@ -224,10 +224,15 @@ def test_train_ignores_asha_so_epochs_can_be_shortened(tmp_path):
         load_config(path, ["train.epochs=2"])  # `tune` still refuses a contradiction the user wrote
     quickstart = ROOT / "search_spaces" / "quickstart.yaml"
     assert load_config(quickstart, ["train.epochs=3"]).max_t == 3  # unset max_t follows the epochs
-    # but a warmup must end before the trial does, in `train` too: quickstart's warmup reaches 2 epochs
+    # each command checks what it runs: `train` runs the default warmup (1 epoch), `tune` draws up to 2 (it was
+    # refused for `train` too, for a warmup `train` never runs)
+    assert load_config(quickstart, ["train.epochs=2"], sweep=False).train.epochs == 2
     with pytest.raises(UserError, match=r"search\.warmup_epochs: the largest warmup_epochs in the search \(2\) is not "
                                         r"shorter than train\.epochs \(2\)"):
-        load_config(quickstart, ["train.epochs=2"], sweep=False)
+        load_config(quickstart, ["train.epochs=2"])
+    with pytest.raises(UserError, match=r"search\.warmup_epochs: the default warmup_epochs \(1\), which `train` runs, "
+                                        r"is not shorter than train\.epochs \(1\)"):
+        load_config(quickstart, ["train.epochs=1"], sweep=False)
     # the `train` command gets past the spec (and fails later, on the bad address, without starting Ray)
     proc = subprocess.run([sys.executable, "-m", "raysweep", "train", str(path), "--set", "train.epochs=2",
                            "--address", "not-an-address"], capture_output=True, text=True, timeout=120)

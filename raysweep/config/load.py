@@ -40,8 +40,8 @@ def parse_yaml(text: str, source: str) -> Any:
 
 
 def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True, trial: bool = True) -> SweepConfig:
-    """Read a spec file, apply `--set dotted.key=value` overrides, validate (`sweep`: for `tune` too; `trial`: for
-    a trial that trains, as `train` and `tune` run; `probe` trains none)."""
+    """Read a spec file, apply `--set dotted.key=value` overrides, validate what the command runs (`sweep`: `tune`,
+    the whole search; else `trial`: `train`, one trial at the defaults; neither: `probe`, which trains none)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such spec file (see search_spaces/ for examples)")
@@ -60,7 +60,7 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
         raise UserError(_describe(e, str(path), overridden)) from None
     config._source = str(path) + "".join(f" (--set {item})" for item in overrides)
     _check_paths(config, str(path))
-    problem = config.sweep_problem() if sweep else config.trial_problem() if trial else None
+    problem = config.sweep_problem() if sweep else config.trial_problem(searched=False) if trial else None
     if problem:
         raise UserError(f"{_source(str(path), problem.split(':', 1)[0], overridden)}: {problem}")
     return config

@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, PrivateAttr
 
 from raysweep.config.fields import Section
-from raysweep.config.knobs import knob_largest
+from raysweep.config.knobs import knob_first, knob_largest
 from raysweep.config.sections import (
     DataConfig,
     MlflowSection,
@@ -47,14 +47,20 @@ class SweepConfig(Section):
         """Where this spec came from, to start an error line with: `spec.yaml` or `spec.yaml (--set k=v)`."""
         return self._source
 
-    def trial_problem(self) -> str | None:
-        """What makes a trial of this spec unable to do what it logs, for `train` as for `tune`, or None: a warmup as
-        long as the trial never reaches the peak LR it logs."""
-        warmup, epochs = knob_largest(self.search.warmup_epochs), self.train.epochs
+    def trial_problem(self, searched: bool = True) -> str | None:
+        """What makes a trial of this spec unable to do what it logs, or None: a warmup as long as the trial never
+        reaches the peak LR it logs. Each command checks what it runs: `tune` (`searched`) every warmup the search
+        can draw, `train` the default it runs."""
+        knob, epochs = self.search.warmup_epochs, self.train.epochs
+        warmup = knob_largest(knob) if searched else knob_first(knob)
         if warmup >= epochs:
-            largest = "the largest warmup_epochs in the search" if isinstance(self.search.warmup_epochs, BaseModel) \
-                else "warmup_epochs"
-            return (f"search.warmup_epochs: {largest} ({warmup:g}) is not shorter than train.epochs ({epochs}): a "
+            if not isinstance(knob, BaseModel):
+                which = f"warmup_epochs ({warmup:g})"
+            elif searched:
+                which = f"the largest warmup_epochs in the search ({warmup:g})"
+            else:
+                which = f"the default warmup_epochs ({warmup:g}), which `train` runs,"
+            return (f"search.warmup_epochs: {which} is not shorter than train.epochs ({epochs}): a "
                     f"trial would end before its LR reaches peak_lr; lower warmup_epochs below {epochs} (or raise "
                     f"train.epochs)")
         return None

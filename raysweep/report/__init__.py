@@ -193,7 +193,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     if spec is not None:
         from raysweep.config import load_config
 
-        config = load_config(spec, overrides, sweep=False)
+        config = load_config(spec, overrides, sweep=False, trial=False)  # it reads a store: nothing to train
         experiment = config.experiment_name
         uri = tracking.resolve_tracking_uri(tracking_uri or config.mlflow.tracking_uri)
         default_out = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
