@@ -124,7 +124,7 @@ def test_shares_are_uniform_whatever_the_source(tmp_path, source):
     train = load_data(cfg).train
     firsts = train.labels[:, 0].astype(float)
     for rank in range(3):
-        plan = epoch_plan(len(train), 5, 0, 1, rank, 3).ravel()
+        plan = epoch_plan(len(train), 5, len(train) // 3 // 5, 0, 1, rank, 3).ravel()
         assert abs(firsts[plan].mean() - firsts.mean()) < 4 * firsts.std() / np.sqrt(len(plan)), (source, rank)
 
 
@@ -243,6 +243,30 @@ def test_a_link_to_nowhere_is_named_in_one_line(tmp_path):
         str(e.value) and str(e.value).endswith("(remove them, or point the links at the images)")
 
 
+def test_a_16_bit_png_with_a_transparent_value_keeps_its_grays(tmp_path):
+    """A 16-bit grayscale PNG whose tRNS chunk names one value transparent: PIL's RGBA conversion of I;16 clips every
+    value at 255, so the whole image came out (almost) white. Its grays are scaled as any 16-bit image's; only the
+    pixels of the transparent value are laid on white."""
+    gray = np.tile(np.linspace(0, 255, W).astype(np.uint8), (H, 1))
+    values = gray.astype(np.uint16) * 257
+    values[:, -4:] = 12_345  # the transparent value: the background
+    Image.fromarray(values).save(tmp_path / "AAAA_16t.png", transparency=12_345)
+    with Image.open(tmp_path / "AAAA_16t.png") as im:
+        assert im.mode.startswith("I") and im.info.get("transparency") == 12_345  # the case: 16-bit with tRNS
+    (image,) = _read(tmp_path).arrays.images
+    assert np.array_equal(image[:, :-4], gray[:, :-4]) and (image[:, -4:] == 255).all()
+
+
+def test_macos_resource_forks_beside_the_images_are_ignored_by_name(tmp_path):
+    """A folder copied from a Mac through a FAT or network share holds an AppleDouble `._NAME` beside each file: not
+    an image, and its label `._A1B2` failed the whole folder as bad labels."""
+    paths = write_captcha_folder(tmp_path, 3, CHARSET, 4, W, H)
+    for path in paths:
+        (tmp_path / f"._{path.name}").write_bytes(b"\0\5\x16\x07" + b"\0" * 80)  # AppleDouble's magic
+    read = _read(tmp_path)
+    assert len(read.names) == 3 and read.facts.ignored == tuple(sorted(f"._{p.name}" for p in paths))
+
+
 def test_files_without_an_image_suffix_are_ignored_by_name(tmp_path):
     write_captcha_folder(tmp_path, 2, CHARSET, 4, W, H)
     (tmp_path / "labels.csv").write_text("a,b\n")
@@ -332,9 +356,14 @@ def test_a_second_read_of_an_unchanged_folder_decodes_nothing_and_a_changed_file
     damaged.write_bytes(damaged.read_bytes()[:100])
     fixed = _read(tmp_path / "d", progress=(progress := _Seen()))
     assert progress.labels == ["decoding d"] and np.array_equal(fixed.arrays.images, changed.arrays.images)
-    # another image size is another cache
+    # another image size is another cache, and the two live side by side (two specs on one folder deleted each
+    # other's: every sweep of either decoded the folder again)
     resized = read_folder(tmp_path / "d", CHARSET, 4, 32, 12, progress=(progress := _Seen()))
     assert progress.labels == ["decoding d"] and resized.arrays.images.shape == (12, 12, 32)
+    for width, height in ((W, H), (32, 12)):
+        again = read_folder(tmp_path / "d", CHARSET, 4, width, height, progress=(progress := _Seen()))
+        assert progress.labels == [] and again.facts.from_cache and again.arrays.images.shape == (12, height, width)
+    assert len(list(cache.glob("*.npz"))) == 2
 
 
 def test_a_cache_that_cannot_be_written_costs_the_next_run_a_decode_never_this_one(tmp_path, monkeypatch, caplog):

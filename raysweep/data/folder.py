@@ -8,12 +8,14 @@ suffix). What users' folders hold, and what happens to it:
 - labels in the other case than data.charset's letters (`a3bd` with the default uppercase charset): read in the
   charset's case, stated likewise. Any other label the charset or data.length cannot take: one error line naming
   the files and the fix.
-- a file that is not an image (by suffix: notes, .DS_Store): ignored, by name; one with an image suffix that does
-  not decode (not an image, truncated): one error line naming the files.
+- a file that is not an image (by suffix: notes, .DS_Store; or macOS's AppleDouble `._NAME` beside each file, left
+  by a copy through a FAT or network share): ignored, by name; one with an image suffix that does not decode (not
+  an image, truncated): one error line naming the files.
 
 Decoding ~50,000 files takes a while (benchmarks/RESULTS.md, folder_scale): the decoded images are cached under
 the user cache directory, keyed by the folder's listing (names, sizes, modification times) and the image size,
-so a second sweep on an unchanged folder decodes nothing; a changed file makes a new cache (the old one goes).
+so a second sweep on an unchanged folder decodes nothing; a changed file makes a new cache (the old one of that
+image size goes; specs that read the folder at other sizes keep theirs).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from raysweep.data.arrays import (
 from raysweep.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
-DECODER_VERSION = 1  # bump when decoding below changes what an image becomes, so old caches are not reused
+DECODER_VERSION = 2  # bump when decoding below changes what an image becomes, so old caches are not reused
+APPLE_DOUBLE = "._"  # macOS's resource fork beside a file copied to a FAT or network share: never an image
 NAMED = 5  # files named in one error line, at most
 
 
@@ -85,7 +88,7 @@ def list_folder(folder: Path, key: str) -> tuple[list[Entry], list[str]]:
             for item in listing:
                 if item.is_dir():
                     folders.append(item.name)
-                elif item.name.lower().endswith(IMAGE_SUFFIXES):
+                elif item.name.lower().endswith(IMAGE_SUFFIXES) and not item.name.startswith(APPLE_DOUBLE):
                     try:
                         stat = item.stat()
                     except OSError as e:  # a link to nowhere, a file gone while listed
@@ -180,7 +183,8 @@ def read_folder(folder: Path, charset: str, length: int, width: int, height: int
     if cached is None:
         images, hashes, counts = _decode_all(folder, entries, width, height, key, progress or quiet)
         if save_npz(path, images=images, hashes=hashes, counts=np.array(json.dumps(counts))):
-            for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.npz"):  # this folder's older listings
+            kind = path.name.rsplit("-", 1)[0]  # this folder at this image size: its older listings go
+            for stale in path.parent.glob(f"{kind}-*.npz"):
                 if stale != path:
                     stale.unlink(missing_ok=True)
     else:
@@ -193,11 +197,11 @@ def read_folder(folder: Path, charset: str, length: int, width: int, height: int
 
 
 def _cache_path(folder: Path, entries: list[Entry], width: int, height: int) -> Path:
-    """`<cache>/folders/<folder's path digest>-<listing digest>.npz`: a new listing (a file added, removed,
-    rewritten or touched) or image size is a new file."""
+    """`<cache>/folders/<folder's path digest>-<W>x<H>-<listing digest>.npz`: a new listing (a file added, removed,
+    rewritten or touched) is a new file; another image size is another file beside it (two specs on one folder)."""
     where = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
     listing = json.dumps([DECODER_VERSION, width, height, [(e.name, e.size, e.mtime_ns) for e in entries]])
-    return cache_dir() / "folders" / f"{where}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.npz"
+    return cache_dir() / "folders" / f"{where}-{width}x{height}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.npz"
 
 
 def _load_cache(path: Path) -> tuple[np.ndarray, np.ndarray, dict] | None:
@@ -265,19 +269,24 @@ def decode_image(path: Path, width: int, height: int) -> tuple[np.ndarray, tuple
     """One file as (height, width) uint8 grayscale, and (format, stored mode, stored W×H).
 
     Transparency is laid on white: captchas draw dark characters, and a transparent background read as black
-    would hide them. 16-bit values are scaled to 8 bits (PIL's own conversion clips them at 255)."""
+    would hide them. 16-bit values are scaled to 8 bits (PIL's own conversion clips them at 255, so a 16-bit image
+    with a transparent value (its tRNS chunk) is scaled first and only the pixels of that value made white)."""
     from PIL import Image
 
     with Image.open(path) as im:
         im.load()  # decodes now: a truncated file raises here
         fmt, mode, size = im.format or path.suffix.lstrip(".").upper(), im.mode, im.size
-        if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
-            white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-            gray = Image.alpha_composite(white, im.convert("RGBA")).convert("L")
-        elif mode.startswith("I"):
+        if mode.startswith("I"):
             values = np.asarray(im).astype(np.float64)
             scale = 257.0 if mode.startswith("I;16") or values.max(initial=0) > 255 else 1.0
-            gray = Image.fromarray(np.clip(np.rint(values / scale), 0, 255).astype(np.uint8))
+            scaled = np.clip(np.rint(values / scale), 0, 255).astype(np.uint8)
+            clear = im.info.get("transparency")
+            if isinstance(clear, int):  # one gray value transparent (a grayscale PNG's tRNS)
+                scaled[values == clear] = 255
+            gray = Image.fromarray(scaled)
+        elif mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+            white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+            gray = Image.alpha_composite(white, im.convert("RGBA")).convert("L")
         else:
             gray = im.convert("L")
         if gray.size != (width, height):
