@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
     p.add_argument("--cap-batch", type=int, default=None, metavar="N",
                    help="per-GPU batches above N run as micro-batches ≤ N with more accumulation (same global batch)")
+    p.add_argument("--confirm", action="store_true",
+                   help="then run the sweep's answer on two seeds for its whole budget (as `confirm` does)")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("train", help="run one trial with every searched knob at its `default:`")
     _common(p)
@@ -55,6 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the files "
                         "(default: <storage_path>/<name>/report, or ./raysweep_report/<experiment>)")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("answer", help="print the newest sweep's answer, or with --batch the predicted recipe for a "
+                                      "global batch it did not run (from the MLflow store alone)")
+    p.add_argument("spec", help="the sweep's spec (its experiment, store and storage_path)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec key, as for tune")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="a global batch: the recipe the sweep predicts for it (peak LR, weight decay, time)")
+    p.set_defaults(func=cmd_answer)
+    p = sub.add_parser("confirm", help="run the newest sweep's answer (or --batch N's prediction) on two seeds for its "
+                                       "whole budget, outside ASHA, and print it against the prediction")
+    _common(p)
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="confirm the predicted recipe for global batch N instead of the answer")
+    p.add_argument("--seeds", default=None, metavar="A,B",
+                   help="train.seed of each run (default: the two after the spec's train.seed)")
+    p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
+    p.set_defaults(func=cmd_confirm)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     _common(p)
     p.set_defaults(func=cmd_check)
@@ -68,8 +87,39 @@ def cmd_tune(args) -> int:
     config = load_config(args.spec, args.overrides)
     if args.cap_batch is not None and args.cap_batch < 1:
         raise UserError(f"--cap-batch {args.cap_batch}: expected a positive per-GPU batch size")
-    return sweep.run(config, address=args.address, resume=args.resume, verbose=args.verbose,
+    code = sweep.run(config, address=args.address, resume=args.resume, verbose=args.verbose,
                      progress_every_s=args.progress_every, cap_batch=args.cap_batch)
+    if args.confirm and code == 0:
+        from raysweep import confirm
+
+        return confirm.run(config, address=args.address, verbose=args.verbose, progress_every_s=args.progress_every)
+    return code
+
+
+def cmd_answer(args) -> int:
+    from raysweep import confirm
+    from raysweep.config import load_config
+
+    config = load_config(args.spec, args.overrides, sweep=False, trial=False)  # it reads a store: nothing to train
+    return confirm.show(config, args.batch)
+
+
+def cmd_confirm(args) -> int:
+    from raysweep import confirm
+    from raysweep.config import load_config
+
+    config = load_config(args.spec, args.overrides, sweep=False, trial=False)  # its runs are the sweep's spec's
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = tuple(int(s) for s in args.seeds.split(","))
+        except ValueError:
+            raise UserError(f"--seeds {args.seeds!r}: expected whole numbers separated by commas, e.g. --seeds 1,2") \
+                from None
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise UserError(f"--seeds {args.seeds!r}: give distinct seeds, e.g. --seeds 1,2")
+    return confirm.run(config, args.batch, seeds, address=args.address, verbose=args.verbose,
+                       progress_every_s=args.progress_every)
 
 
 def cmd_train(args) -> int:

@@ -7,7 +7,7 @@ Imports nothing from raysweep and nothing heavy: the worker, the driver and the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 
@@ -100,7 +100,7 @@ RANKABLE_METRICS = tuple(METRIC_MODES)
 TRIAL_PARAMS = ("per_gpu_batch_size", "base_lr", "warmup_epochs", "weight_decay", "grad_accum_steps", "lr_rule",
                 "global_batch_size", "peak_lr", "steps_per_epoch", "samples_per_epoch", "warmup_steps", "total_steps",
                 "world_size",
-                "precision", "epochs", "train_size", "reference_batch_size", "min_lr", "grad_clip")
+                "precision", "epochs", "train_size", "reference_batch_size", "min_lr", "grad_clip", "seed")
 
 
 class Names:
@@ -364,6 +364,8 @@ class SweepRecord:
     trials: list  # RunRecord, by start time
     # tune.target (metric, value): trials that reach it rank by time_to_target_s
     target: tuple[str, float] | None = None
+    # `raysweep confirm` runs of this sweep's recipes (answer.Confirmation), oldest first (tracking.load_sweep)
+    confirmations: list = field(default_factory=list)
 
     def target_label(self) -> str:
         """e.g. `val_exact_acc ≥ 0.7` (the table headers)."""

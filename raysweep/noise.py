@@ -74,7 +74,7 @@ class Recommendation:
         return min(self.candidates, key=lambda c: c.time)
 
     def as_dict(self) -> dict:
-        return {"grad_noise_scale": self.noise_scale, "source": self.source, "fastest": self.fastest.global_batch,
+        return {"grad_noise_scale": self.noise_scale, "source": self.source,
                 "candidates": [c.__dict__ for c in self.candidates]}
 
 

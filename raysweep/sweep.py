@@ -1,7 +1,8 @@
 """A sweep: Ray Tune + ASHA over trials that each run on a warm Ray Train worker group; MLflow records it.
 
-`tune` samples the spec's search space; `train` runs the same path with one trial at the defaults. `run` is the
-table of contents; the rooms it visits: resume.py (before anything starts), cluster.py (the plan: how many trials
+`tune` samples the spec's search space; `train` runs the same path with one trial at the defaults; `confirm` runs a
+recipe (the sweep's answer) on a few seeds for its whole budget, outside ASHA (`Confirming`). `run` is the table of
+contents; the rooms it visits: resume.py (before anything starts), cluster.py (the plan: how many trials
 at once), slots/ (the warm worker groups), relay.py (a trial in its Tune actor), asha.py, callbacks.py (Tune's
 events on the driver), tracking/ (the store), report/ and console.py (what is shown).
 """
@@ -21,6 +22,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Confirming:
+    """A `confirm` run (raysweep/confirm.py): the recipe is the spec's knobs, fixed; each seed one trial, run for its
+    whole budget outside ASHA; its parent run names the sweep it confirms and what was predicted."""
+
+    sweep_run_id: str  # the confirmed sweep's parent run
+    seeds: tuple[int, ...]
+    predicted: str  # answer.Expected as JSON: what the recipe is expected to reach
+    global_batch: int
+    peak_lr: float
+
+
+@dataclass(frozen=True)
 class Where:
     """Where a sweep lives: its name, its MLflow store and its folder (storage_path/name)."""
 
@@ -30,17 +43,18 @@ class Where:
     experiment_path: str
 
     @classmethod
-    def of(cls, config, single: bool) -> Where:
+    def of(cls, config, single: bool, confirming: Confirming | None = None) -> Where:
         from raysweep.tracking import resolve_tracking_uri
 
         root = storage.resolve(config.storage_path)
-        name = f"{config.name}-train" if single else config.name
+        name = f"{config.name}-confirm" if confirming else f"{config.name}-train" if single else config.name
         return cls(name, resolve_tracking_uri(config.mlflow.tracking_uri), root, storage.join(root, name))
 
 
 def run(config, *, single: bool = False, address: str | None = None, resume: bool = False, verbose: bool = False,
-        progress_every_s: float = 30.0, cap_batch: int | None = None) -> int:
-    """Run a sweep (config.SweepConfig; with `single`, one trial at the defaults). Returns the exit code.
+        progress_every_s: float = 30.0, cap_batch: int | None = None, confirming: Confirming | None = None) -> int:
+    """Run a sweep (config.SweepConfig; with `single`, one trial at the defaults; with `confirming`, the defaults
+    on each of its seeds, outside ASHA). Returns the exit code.
 
     Once the parent run is open, whatever fails ends it (and its RUNNING children) FAILED with the cause as the
     `error` tag; Ctrl-C ends them KILLED + `interrupted`; a driver killed outright is found by the next command
@@ -51,13 +65,14 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
     from raysweep.resume import check_resume
 
     t_start = time.monotonic()
-    where = Where.of(config, single)
+    where = Where.of(config, single, confirming)
     resumed = check_resume(config, where.tracking_uri, where.experiment_path, where.name) if resume else None
     check_address(address)
-    check_batches(config, single, cap_batch)  # before Ray: a batch the data cannot run is refused here
+    # before Ray: a batch the data cannot run is refused here
+    check_batches(config, single or confirming is not None, cap_batch)
     tracking.reconcile_orphans(where.tracking_uri, keep=resumed)
     started_ray = connect(address, config.scaling.worker_start_timeout_s, verbose)
-    sweep = Sweep(config, where, single)
+    sweep = Sweep(config, where, single, confirming)
     try:
         if address:  # a cluster of machines: all of them up, and one storage_path that every one sees
             from raysweep import console, nodes
@@ -80,9 +95,10 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
 class Sweep:
     """One driver's run of a sweep, step by step (`run` calls them in order)."""
 
-    def __init__(self, config, where: Where, single: bool):
-        self.config, self.where, self.single = config, where, single
-        self.num_samples = 1 if single else config.tune.num_samples
+    def __init__(self, config, where: Where, single: bool, confirming: Confirming | None = None):
+        self.config, self.where, self.single, self.confirming = config, where, single, confirming
+        self.searched = not single and confirming is None  # a tune sweep: its search, ASHA, the report, the answer
+        self.num_samples = len(confirming.seeds) if confirming else 1 if single else config.tune.num_samples
         self.broker = self.plan = self.context = self.asha = self.scheduler = self.progress = None
         self.data_params: dict[str, str] = {}  # what the data was and what reading it changed: the parent run's params
         self.wall_s = self.busy = 0.0
@@ -111,7 +127,7 @@ class Sweep:
         data = load_data(config.data, console.progress_printer())
         console.print_data(data, config.data)
         train_size = len(data.train)  # what check_batches counted, unless the folder changed since
-        config.trials.check_data_fits(train_size, batch_cap, searched=not self.single, source=config.source)
+        config.trials.check_data_fits(train_size, batch_cap, searched=self.searched, source=config.source)
         self.data_params = mlflow_params(data)
         data_ref = ray.put(data.for_workers())
         del data  # the object store holds it for the ranks: the driver's own copy (0.5 GiB at 55,000 images) goes
@@ -121,7 +137,7 @@ class Sweep:
             trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
         self.broker.prewarm.remote(config.trials.trial(config.trials.default_knobs(), train_size, batch_cap).to_dict(),
                                    min(self.plan.trials_at_once, self.num_samples))
-        self.asha = None if self.single else AshaPlan.of(config)
+        self.asha = AshaPlan.of(config) if self.searched else None
         self.context = SweepContext(config.trials, train_size, storage.join(where.experiment_path, layout.TRAIN),
                                     self.broker, batch_cap, self.asha.decision_points if self.asha else (),
                                     config.time_attr)
@@ -142,11 +158,12 @@ class Sweep:
             self.context = dataclasses.replace(self.context, settled=taken.settled)
             self.experiment_id, self.parent_run_id = taken.experiment_id, resumed
             return
+        kind = "confirm" if self.confirming else "train" if self.single else "tune"
         self.experiment_id, self.parent_run_id = tracking.open_sweep(
             where.tracking_uri, config.experiment_name, run_name=f"{where.name} {datetime.now():%Y-%m-%d %H:%M:%S}",
-            tags={"raysweep.kind": "train" if self.single else "tune", "raysweep.storage": str(where.experiment_path),
+            tags={"raysweep.kind": kind, "raysweep.storage": str(where.experiment_path),
                   "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode,
-                  **tracking.target_tags(config.tune.target)},
+                  **tracking.target_tags(config.tune.target), **tracking.confirm_tags(self.confirming)},
             spec_text=spec_yaml(config), params=self.data_params)
 
     def fit(self, resume: bool, progress_every_s: float):
@@ -203,21 +220,26 @@ class Sweep:
             best = {"trial_id": top.trial_id, "value": top.last(record.metric),
                     "time_to_target_s": top.last("time_to_target_s"),
                     "params": {k: v for k, v in top.params.items() if k not in WORKER_PARAMS}}
-        built = None if self.single else report.publish(record, storage.join(where.experiment_path, layout.REPORT))
+        report_dir = storage.join(where.experiment_path, layout.REPORT)
+        built = report.publish(record, report_dir, config.command_args) if self.searched else None
         tracking.close_sweep(where.tracking_uri, self.parent_run_id, best, record.metric,
                              "FINISHED" if ranked else "FAILED")
         self.ended = True
         if self.single:
             top = ranked[0] if ranked else None
             console.print_train_summary(top, self.wall_s, self.progress.startups.get(top.trial_id) if top else None)
-        else:
+        elif self.searched:
             console.print_sweep_summary(built, self.wall_s, config.horizon, config.train)
         console.print_busy(self.busy, self.wall_s, self.plan.trials_at_once, self.progress.startups)
+        if self.confirming:  # confirm.run prints the comparison, from the store, once this returns
+            return 0 if ranked else 1
         ui, link = tracking.runs_link(where.tracking_uri, self.experiment_id,
                                       None if self.single else self.parent_run_id, config.tune.metric,
                                       config.tune.mode)
         console.print_where(where.experiment_path, where.tracking_uri, config.experiment_name, self.experiment_id,
                             ui, link, config.tune.metric)
+        if built is not None:  # the sweep's last block: its one answer
+            console.print_answer(built.answer, storage.join(report_dir, report.ANSWER_FILE) if built.answer else None)
         return 0 if ranked else 1
 
     def end_failed(self, e: BaseException) -> None:
@@ -285,6 +307,7 @@ def _tuner(sweep: Sweep, resume: bool):
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from raysweep.cluster import TRIAL_DRIVER
+    from raysweep.config.trial import SEED
     from raysweep.console import print_search
     from raysweep.relay import run_trial
     from raysweep.search import describe, searcher
@@ -297,7 +320,11 @@ def _tuner(sweep: Sweep, resume: bool):
         return tune.Tuner.restore(where.experiment_path, trainable=trainable, resume_unfinished=True,
                                   resume_errored=True)
     sweep.scheduler = sweep.asha.scheduler() if sweep.asha else None
-    if sweep.single:
+    num_samples = sweep.num_samples
+    if sweep.confirming:  # the recipe (the spec's knobs, fixed) once per seed: a grid, no search, no ASHA
+        param_space = {**config.trials.default_knobs(), SEED: tune.grid_search(list(sweep.confirming.seeds))}
+        search_alg, num_samples = None, 1
+    elif sweep.single:
         param_space, search_alg = config.trials.default_knobs(), None
     else:  # the spec's defaults run first: a known baseline every sweep can be compared against
         search_alg, param_space = searcher(config, sweep.plan.trials_at_once, sweep.asha.rungs)
@@ -309,7 +336,7 @@ def _tuner(sweep: Sweep, resume: bool):
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=config.tune.metric, mode=config.tune.mode, num_samples=sweep.num_samples,
+            metric=config.tune.metric, mode=config.tune.mode, num_samples=num_samples,
             scheduler=sweep.scheduler, search_alg=search_alg,
             max_concurrent_trials=limit,
             # the next trial starts in the actor the last one ended in (no new process: the gap between trials)

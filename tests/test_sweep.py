@@ -24,6 +24,7 @@ SWEEP = dict(
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(480)
 def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
     from ray.tune import ExperimentAnalysis
@@ -31,7 +32,7 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
 
     before = {a.actor_id for a in list_actors(limit=10_000, raise_on_missing_output=False)}  # other tests' actors
     path = write_spec(tmp_path, tiny_spec(tmp_path, **SWEEP))
-    assert main(["tune", str(path), "--progress-every", "20"]) == 0
+    assert main(["tune", str(path), "--progress-every", "20", "--confirm"]) == 0
     out = capsys.readouterr().out
     assert "plan: 2 CPU, 2 workers/trial → 1 trial at a time; ASHA prunes sequentially" in out
     assert "top trials by val_loss (min); Δ against the baseline" in out and "mlflow ui --backend-store-uri" in out
@@ -47,17 +48,18 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("t")
     runs = client.search_runs([experiment.experiment_id])
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags and r.data.tags["raysweep.kind"] == "tune"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert len(parents) == 1 and len(children) == 6
     parent = parents[0]
     assert parent.info.status == "FINISHED" and "best_val_loss" in parent.data.metrics
     assert parent.data.tags["best_trial_id"] in trials
-    assert {"spec.yaml", "recommendation.json"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
-    # the time-to-target table, from the trials' own B_noise (2 DDP workers) and samples/s
-    assert "batch size worth using: gradient noise scale B_noise ≈" in out and "<- fastest" in out
-    assert parent.data.metrics["grad_noise_scale"] > 0
-    assert parent.data.metrics["recommended_global_batch"] in (32, 64)  # the sweep's global batches
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"spec.yaml", "recommendation.json", "answer.json"} <= artifacts
+    # the noise scale's table, from the trials' own B_noise (2 DDP workers) and samples/s: evidence, not an answer
+    assert "the gradient noise scale B_noise ≈" in out and "fastest" not in out
+    assert parent.data.metrics["grad_noise_scale"] > 0 and "recommended_global_batch" not in parent.data.metrics
+    _assert_one_answer_confirmed(client, parent, runs, out, tmp_path, path, capsys)
     for child in children:
         tid = child.info.run_name
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id and child.data.tags["trial_id"] == tid
@@ -100,7 +102,46 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     assert not {"RayTrainWorker", "TrainController", "SlotHost", "BrokerActor"} & set(alive), alive
 
 
-@pytest.mark.ray
+def _assert_one_answer_confirmed(client, parent, runs, out, tmp_path, path, capsys):
+    """The sweep's one answer is its best trial, the same on the console (its last block before the confirmation),
+    in answer.json, the parent's answer.* params and metrics and report.html; `--confirm` ran it on seeds 1 and 2 for
+    the whole budget, and what they measured is beside the prediction everywhere."""
+    import json
+
+    from raysweep.cli import main as cli
+
+    best = parent.data.tags["best_trial_id"]
+    params = parent.data.params
+    assert params["answer.trial_id"] == best and params["answer.ran"] == "True"
+    best_run = next(r for r in runs if r.data.tags.get("trial_id") == best)
+    assert params["answer.global_batch"] == best_run.data.params["global_batch_size"]
+    assert float(params["answer.peak_lr"]) == pytest.approx(float(best_run.data.params["peak_lr"]))
+    assert parent.data.metrics["answer.global_batch"] == float(params["answer.global_batch"])
+    sweep_block = out[out.index("\nanswer (ran): "):out.index("confirm: the sweep's answer")]
+    assert f"global batch {params['answer.global_batch']} = per-GPU" in sweep_block and best in sweep_block
+    # the confirmation: its own parent run (kind confirm) naming the sweep, one run per seed, whole budget, no ASHA
+    (confirm,) = [r for r in runs if r.data.tags.get("raysweep.kind") == "confirm"]
+    assert confirm.data.tags["raysweep.confirms"] == parent.info.run_id and confirm.info.status == "FINISHED"
+    seeds = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == confirm.info.run_id]
+    assert sorted(r.data.params["seed"] for r in seeds) == ["1", "2"]
+    assert all(r.info.status == "FINISHED" and r.data.metrics["epoch"] == 4 for r in seeds)
+    assert all(r.data.params["global_batch_size"] == params["answer.global_batch"] for r in seeds)
+    assert "measured_value" in confirm.data.metrics and "predicted_value" in confirm.data.metrics
+    answer = json.loads((tmp_path / "results" / "t" / "report" / "answer.json").read_text())
+    assert answer["trial_id"] == best and answer["confirmed"]["parent_run_id"] == confirm.info.run_id
+    measured = answer["confirmed"]["measured"]["value"]
+    assert measured == pytest.approx(sum(r.data.metrics["val_loss"] for r in seeds) / 2)
+    assert client.get_run(parent.info.run_id).data.metrics["answer.confirmed_value"] == pytest.approx(measured)
+    assert "confirmation of global batch" in out and "\n  confirmed: seed 1: " in out
+    page = (tmp_path / "results" / "t" / "report" / "report.html").read_text()
+    assert page.index("id='answer'") < page.index('id="summary"') and "confirmed" in page
+    # a batch the sweep did not run: its predicted recipe, from the store alone
+    assert cli(["answer", str(path), "--batch", "128"]) == 0
+    said = capsys.readouterr().out
+    assert "answer (predicted, not yet run): global batch 128 = per-GPU 64 × 2 workers × 1 accumulation" in said
+    assert f"confirm:  python -m raysweep confirm {path} --batch 128" in said
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 def test_a_time_budget_sweep_with_asha_in_seconds_and_a_target(ray_cluster, tmp_path, capsys):

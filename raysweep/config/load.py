@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import shlex
 from pathlib import Path
 from typing import Any, get_args
 
@@ -59,6 +60,8 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
     except ValidationError as e:
         raise UserError(_describe(e, str(path), overridden)) from None
     config._source = str(path) + "".join(f" (--set {item})" for item in overrides)
+    config._args = " ".join(shlex.quote(word) for word in (str(path), *(w for item in overrides
+                                                                          for w in ("--set", item))))
     _check_paths(config, str(path))
     problem = config.sweep_problem() if sweep else config.trial_problem(searched=False) if trial else None
     if problem:

@@ -41,11 +41,18 @@ class SweepConfig(Section):
     tune: TuneSection = TuneSection()
     mlflow: MlflowSection = MlflowSection()
     _source: str = PrivateAttr("")  # the spec file (and --set overrides) it was read from: load_config sets it
+    _args: str = PrivateAttr("")  # the same as a command's arguments: `spec.yaml --set k=v` (load_config sets it)
 
     @property
     def source(self) -> str:
         """Where this spec came from, to start an error line with: `spec.yaml` or `spec.yaml (--set k=v)`."""
         return self._source
+
+    @property
+    def command_args(self) -> str | None:
+        """The spec file and its --set overrides as a command takes them (`raysweep confirm <this>`); None for a
+        spec not read from a file."""
+        return self._args or None
 
     def trial_problem(self, searched: bool = True) -> str | None:
         """What makes a trial of this spec unable to do what it logs, or None: a warmup as long as the trial never

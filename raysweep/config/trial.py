@@ -34,6 +34,9 @@ class ImageSpec(Section):
     num_classes: PosInt
 
 
+SEED = "seed"  # a sampled dict's key beside the knobs: a `confirm` run's train.seed for this trial
+
+
 def divisor_at_least(n: int, k: int) -> int | None:
     """The smallest divisor of `n` that is ≥ `k` (None: none is, k > n): how many equal micro-batches a per-GPU
     batch of n is cut into when at least k are needed."""
@@ -154,6 +157,7 @@ class TrialConfig(Section):
             "reference_batch_size": self.train.reference_batch_size,
             "min_lr": self.train.min_lr,
             "grad_clip": self.train.grad_clip,
+            "seed": self.train.seed,
         }
 
 
@@ -180,7 +184,10 @@ class TrialFactory:
         return {k: knob_first(v) for k, v in self.search.knobs().items()}
 
     def is_baseline(self, knobs: dict[str, Any]) -> bool:
-        """Whether sampled knobs are the spec's defaults: the sweep's first trial, its baseline."""
+        """Whether sampled knobs are the spec's defaults: the sweep's first trial, its baseline (a `confirm` run's
+        seeds, which carry SEED, are never one)."""
+        if SEED in knobs:
+            return False
         defaults = self.default_knobs()
         return all(knobs.get(k) == defaults[k] for k in self.searched())
 
@@ -202,12 +209,14 @@ class TrialFactory:
                        for a in values(search.grad_accum_steps, self.train.grad_accum_steps)})
 
     def trial(self, knobs: dict[str, Any], train_size: int, batch_cap: int | None = None) -> TrialConfig:
-        """One trial's full config from sampled knob values (Tune's flat dict).
+        """One trial's full config from sampled knob values (Tune's flat dict; SEED, where given, its train.seed).
 
         A per-GPU batch above `batch_cap` runs as equal micro-batches ≤ the cap (the largest that divide it) × more
         accumulation steps: the same global batch, so the same peak LR and schedule.
         """
         values = {**self.default_knobs(), **knobs}
+        seed = values.pop(SEED, None)  # a confirm run's seed: its train.seed
+        train = self.train if seed is None else self.train.model_copy(update={"seed": int(seed)})
         values.setdefault("grad_accum_steps", self.train.grad_accum_steps)
         values.setdefault("lr_rule", self.train.lr_rule)
         batch = values["per_gpu_batch_size"]
@@ -215,7 +224,7 @@ class TrialFactory:
         return TrialConfig(
             micro_splits=splits,
             knobs=Knobs(**values),
-            train=self.train,
+            train=train,
             model=self.model,
             scaling=self.scaling,
             image=self.image,

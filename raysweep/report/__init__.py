@@ -11,8 +11,8 @@ and with it this file); this package only computes and draws:
 - importance.py: which knob mattered (fANOVA at a budget every compared trial reached), and trials named by their
   settings;
 - page.py: report.html;
-- here: what the report computes (the recommendation and how it held), building it, publishing it into a folder of
-  its own (`claim_folder`), and the `report` subcommand.
+- here: what the report computes (the answer: raysweep/answer.py; the recommendation and how it held), building it,
+  publishing it into a folder of its own (`claim_folder`), and the `report` subcommand.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raysweep import layout, storage
+from raysweep.answer import ANSWER_FILE, Answer, answer_of
 from raysweep.errors import UserError
 from raysweep.metrics import RunRecord, SweepRecord
 from raysweep.metrics import names as M
@@ -33,13 +34,14 @@ from raysweep.report.importance import Importance, knob_importance, trial_labels
 from raysweep.report.plots import PLOTS, sweep_plots, trial_plot
 from raysweep.report.table import SummaryRow, ranked, summary_rows
 
-__all__ = ["PLOTS", "REPORT_MARKER", "Importance", "SummaryRow", "SweepReport", "build", "claim_folder",
+__all__ = ["ANSWER_FILE", "PLOTS", "REPORT_MARKER", "Importance", "SummaryRow", "SweepReport", "build", "claim_folder",
            "foreign_files", "held", "publish", "ranked", "recommendation", "run", "summary_rows"]
 
 
 @dataclass(frozen=True)
 class SweepReport:
     record: SweepRecord
+    answer: Answer | None  # the sweep's one answer (answer.py); None when no trial ranked
     rows: list[SummaryRow]  # ranked, best first (failed trials and those without the metric left out)
     baseline: RunRecord | None
     recommendation: Recommendation | None
@@ -83,12 +85,19 @@ def recommendation(record: SweepRecord) -> Recommendation | None:
     return recommend(noise, {b: statistics.median(r) for b, r in rates.items()}, source)
 
 
-def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:5000") -> tuple[SweepReport, dict]:
-    """Write the plots, the per-trial PNGs (under trials/) and report.html into `folder`.
+def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:5000",
+          spec_args: str | None = None) -> tuple[SweepReport, dict]:
+    """Write answer.json, the plots, the per-trial PNGs (under trials/) and report.html into `folder`. `spec_args`:
+    the spec file and overrides (config.SweepConfig.command_args), for the answer's confirm command.
     Returns the report and {child run id: its PNG} for tracking.log_report."""
+    import json
+
     folder.mkdir(parents=True, exist_ok=True)
     rows, baseline = summary_rows(record)
     advice = recommendation(record)
+    answer = answer_of(record, spec_args, advice)
+    if answer is not None:
+        (folder / ANSWER_FILE).write_text(json.dumps(answer.as_json(), indent=1) + "\n")
     checked = held(record, advice)
     importance = knob_importance(record)
     labels = trial_labels(record)
@@ -99,18 +108,19 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
             path = folder / "trials" / f"{t.trial_id}.png"
             trial_plot(t, record.metric, labels[t.trial_id], path)
             trial_pngs[t.run_id] = path
-    report = SweepReport(record, rows, baseline, advice, checked, importance, str(folder), files)
+    report = SweepReport(record, answer, rows, baseline, advice, checked, importance, str(folder), files)
     (folder / "report.html").write_text(page.render(report, ui_base))
-    return dataclasses.replace(report, files=[*files, "report.html"]), trial_pngs
+    written = [ANSWER_FILE] if answer is not None else []
+    return dataclasses.replace(report, files=[*files, "report.html", *written]), trial_pngs
 
 
 REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote the folder (claim_folder)
 
 
-def publish(record: SweepRecord, location: str) -> SweepReport:
+def publish(record: SweepRecord, location: str, spec_args: str | None = None) -> SweepReport:
     """Build the report into `location` (a folder, or a URI under shared storage) and log it to MLflow: the
-    files and summary.json on the parent run, each trial's PNG on its child run, the recommendation and the knobs'
-    importance.
+    files and summary.json on the parent run, each trial's PNG on its child run, the answer (answer.* params and
+    metrics), the recommendation and the knobs' importance. `spec_args`: as for `build`.
 
     The report is built in a folder of its own, so that MLflow gets the report's files and nothing else, then
     copied to `location`; a local folder must be new, empty or a report raysweep wrote (`claim_folder`)."""
@@ -124,9 +134,11 @@ def publish(record: SweepRecord, location: str) -> SweepReport:
         claim_folder(Path(location))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        report, trial_pngs = build(record, folder)
+        report, trial_pngs = build(record, folder, spec_args=spec_args)
         tracking.log_report(record.tracking_uri, record, folder, trial_pngs,
                             [row.as_dict(record.metric) for row in report.rows])
+        if report.answer is not None:
+            tracking.log_answer(record.tracking_uri, record.parent_run_id, report.answer)
         if report.recommendation is not None:
             tracking.log_recommendation(record.tracking_uri, record.parent_run_id, report.recommendation)
         if report.importance is not None:
@@ -163,7 +175,7 @@ def foreign_files(folder: Path) -> list[str]:
         return entry.is_file() and not entry.is_symlink() and written(_written_name(entry.name))
 
     entries = sorted(folder.iterdir())
-    top = {REPORT_MARKER, "report.html", *PLOTS}
+    top = {REPORT_MARKER, "report.html", ANSWER_FILE, *PLOTS}
     foreign = []
     for entry in entries:
         if entry.name == "trials" and entry.is_dir() and not entry.is_symlink():
@@ -202,6 +214,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
         default_out = str(Path("raysweep_report", experiment).resolve())
     tracking.reconcile_orphans(uri)  # a sweep whose driver died is not shown as still running
     record = tracking.load_sweep(uri, experiment)
-    report = publish(record, out or default_out)
+    report = publish(record, out or default_out, config.command_args if spec is not None else None)
     console.print_report(report)
+    console.print_answer(report.answer)
     return 0

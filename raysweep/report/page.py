@@ -39,6 +39,8 @@ def render(report, ui_base: str) -> str:
 <style>
 {STYLE}</style></head><body>
 <h1>Sweep {html.escape(r.parent_name)}</h1>
+{_answer(report, run_url)}
+<h2>The sweep</h2>
 <p>Experiment <b>{html.escape(r.experiment)}</b> in <code>{html.escape(r.tracking_uri)}</code>:
 {len(r.trials)} trials ({counted(r.trials)}), {ranking}.
 <a href="{run_url}/{r.parent_run_id}">parent run in the MLflow UI</a>
@@ -78,20 +80,68 @@ def _summary(report, run_url: str) -> str:
     return "\n".join(lines) + "</table>"
 
 
+def _answer(report, run_url: str) -> str:
+    """The sweep's one answer (answer.Answer), first on the page: the recipe, what it expects, the trials behind it,
+    the LR for other batches, the confirmation."""
+    a = report.answer
+    if a is None:
+        return "<h2 id='answer'>The answer</h2><p>None: no trial finished or was pruned.</p>"
+    r, e, fit = a.recipe, a.expected, a.lr_fit
+    kind = ("predicted (not yet run)" if a.trial_id is None else "predicted: its trial did not run the whole budget"
+            if a.predicted else "ran")
+    rows = [("global batch", f"<b>{r.global_batch}</b> = per-GPU {r.per_gpu_batch_size} × {r.num_workers} workers × "
+                             f"{r.grad_accum_steps} accumulation"),
+            ("peak LR", f"<b>{r.peak_lr:.3e}</b> (base_lr {r.base_lr:.3e} at reference batch {r.reference_batch_size}, "
+                        f"{html.escape(r.lr_rule)} rule)"),
+            ("warmup", f"<b>{r.warmup_epochs:g}</b> epochs"), ("weight decay", f"<b>{r.weight_decay:.3e}</b> (AdamW)"),
+            ("schedule", html.escape(r.schedule)), ("precision, clip", f"{html.escape(r.precision)}, {r.grad_clip}")]
+    expects = f"{html.escape(e.metric)} {fmt(e.value)}" if e.value is not None else ""
+    if e.time_to_target_s is not None:
+        expects += f"; the target in {e.time_to_target_s:.1f} training seconds"
+    if e.samples is not None:
+        expects += f"; after {e.samples:,.0f} training samples" + (f" (≈ {e.seconds:.1f} s)" if e.seconds else "")
+    rows.append(("expects", f"{expects} <small>({html.escape(e.source)})</small>"))
+    if a.trial_id is not None:
+        links = ", ".join(f"{html.escape(t['trial_id'])} ({html.escape(t['role'])}, batch {t['global_batch']}, "
+                          f"{html.escape(e.metric)} {fmt(t.get(e.metric))})" for t in a.trials[:6])
+        rows.append(("the trials behind it", links))
+    if fit.fitted:
+        rows.append(("LR for other batches", f"best peak LR ∝ B<sup>{fit.exponent:.2f}</sup>, 90 % interval "
+                                             f"{fit.interval[0]:.2f} to {fit.interval[1]:.2f}: "
+                                             f"<b>{html.escape(fit.supports)}</b> ({html.escape(fit.reason)})"))
+    else:
+        rows.append(("LR for other batches", f"not fitted: {html.escape(fit.reason)}"))
+    for note in a.notes:
+        rows.append(("note", html.escape(note)))
+    if a.confirmed is not None:
+        from raysweep.console import confirmation_line
+
+        rows.append(("confirmed", html.escape(confirmation_line(a.confirmed))))
+    rows.append(("confirm it", f"<code>{html.escape(a.confirm_command)}</code> (two seeds, the whole budget, "
+                               f"outside ASHA)"))
+    cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{v}</td></tr>"
+                    for k, v in rows)
+    return (f"<h2 id='answer'>The answer ({kind})</h2><p>What to train with: the sweep's best trial, ranked as the "
+            f"table below ranks them; <code>answer.json</code> beside this page holds it whole.</p>"
+            f"<table id='answer'>{cells}</table>")
+
+
 def _advice(report) -> str:
-    """The batch size worth using (noise.Recommendation) and, with a target, how it held against the sweep."""
+    """The noise scale's prediction per global batch (noise.Recommendation), evidence beside the answer, and, with a
+    target, how it held against the sweep."""
     out = ""
     if report.recommendation is not None:
         rec = report.recommendation
-        cells = "".join(f"<tr{' class=best' if c is rec.fastest else ''}><td>{c.global_batch}</td>"
-                        f"<td>{c.samples_per_s:,.0f}</td><td>{c.samples:.2f}</td><td>{c.steps:.2f}</td>"
-                        f"<td>{c.time:.2f}</td></tr>" for c in rec.candidates)
-        out = (f"<h2>Batch size worth using</h2><p>Gradient noise scale B<sub>noise</sub> ≈ {rec.noise_scale:,.0f} "
-               f"samples ({html.escape(rec.source)}). Predicted cost to reach the same loss: samples ∝ 1 + "
-               f"B/B<sub>noise</sub>, steps ∝ 1 + B<sub>noise</sub>/B, time ∝ samples ÷ samples/s. Fastest: global "
-               f"batch <b>{rec.fastest.global_batch}</b>; growth stops paying near B ≈ {rec.noise_scale:,.0f}.</p>"
-               f"<table><tr><th>global batch</th><th>samples/s</th><th>samples×</th><th>steps×</th><th>time×</th></tr>"
-               f"{cells}</table>")
+        cells = "".join(f"<tr><td>{c.global_batch}</td><td>{c.samples_per_s:,.0f}</td><td>{c.samples:.2f}</td>"
+                        f"<td>{c.steps:.2f}</td><td>{c.time:.2f}</td></tr>" for c in rec.candidates)
+        out = (f"<h2>What the noise scale predicts</h2><p>Gradient noise scale B<sub>noise</sub> ≈ "
+               f"{rec.noise_scale:,.0f} samples ({html.escape(rec.source)}). Predicted cost to reach the same loss "
+               f"at each global batch the sweep measured, with its LR tuned: samples ∝ 1 + B/B<sub>noise</sub>, "
+               f"steps ∝ 1 + B<sub>noise</sub>/B, time ∝ samples ÷ samples/s (1 = the least). Growth stops paying "
+               f"near B ≈ {rec.noise_scale:,.0f}. Evidence, not the answer: <code>raysweep answer SPEC --batch N"
+               f"</code> predicts a recipe for any batch, and <code>raysweep confirm SPEC --batch N</code> measures "
+               f"it.</p><table><tr><th>global batch</th><th>samples/s</th><th>samples×</th><th>steps×</th>"
+               f"<th>time×</th></tr>{cells}</table>")
     if report.held:
         cells = "".join(f"<tr><td>{h.global_batch}</td><td>{html.escape(h.trial_id)}</td><td>{h.measured_s:.1f}</td>"
                         f"<td>{h.predicted_s:.1f}</td><td>{h.error:+.0%}</td><td>{h.measured_samples:,.0f}</td>"

@@ -204,10 +204,8 @@ def _noise_scale(plt, record: SweepRecord, advice, colors, label):
     ax_time.plot(xs, [c.samples / fewest for c in advice.candidates], linestyle="--",
                  label="samples× (vs the smallest)")
     ax_time.axvline(advice.noise_scale, color="grey", linestyle=":", label=f"B_noise ≈ {advice.noise_scale:,.0f}")
-    ax_time.scatter([advice.fastest.global_batch], [1.0], s=200, facecolors="none", edgecolors="red", linewidths=2,
-                    label=f"fastest: {advice.fastest.global_batch}")
     ax_time.set_xscale("log", base=2)
-    _axes(ax_time, "global batch", "relative to the fastest (1 = best)",
+    _axes(ax_time, "global batch", "relative to the least (1), each batch's LR assumed tuned",
           f"predicted cost to the same loss ({advice.source})", legend=False, fontsize=9)
     ax_time.legend(fontsize=8, loc="best")
     return fig

@@ -13,7 +13,14 @@
 """
 
 from raysweep.tracking.orphans import Heartbeat, reconcile_orphans
-from raysweep.tracking.published import log_importance, log_probe, log_recommendation, log_report
+from raysweep.tracking.published import (
+    log_answer,
+    log_confirmation,
+    log_importance,
+    log_probe,
+    log_recommendation,
+    log_report,
+)
 from raysweep.tracking.reads import (
     epoch_seconds_by_batch,
     last_noise_scale,
@@ -23,6 +30,7 @@ from raysweep.tracking.reads import (
 )
 from raysweep.tracking.runs import (
     close_sweep,
+    confirm_tags,
     end_sweep,
     find_parent,
     log_sweep_figures,
@@ -37,8 +45,9 @@ from raysweep.tracking.trial_runs import TrialRuns
 from raysweep.tracking.writer import Writer, flush_writes, writer
 
 __all__ = [
-    "Heartbeat", "TrialRuns", "Writer", "close_sweep", "end_sweep", "epoch_seconds_by_batch", "find_parent",
-    "flush_writes", "last_noise_scale", "load_sweep", "log_importance", "log_probe", "log_recommendation", "log_report",
-    "log_sweep_figures", "open_sweep", "reconcile_orphans", "reopen", "resolve_tracking_uri", "resumed_parent",
-    "runs_link", "settled_trials", "spec_of", "sqlite_path", "target_tags", "trial_histories", "writer",
+    "Heartbeat", "TrialRuns", "Writer", "close_sweep", "confirm_tags", "end_sweep", "epoch_seconds_by_batch",
+    "find_parent", "flush_writes", "last_noise_scale", "load_sweep", "log_answer", "log_confirmation",
+    "log_importance", "log_probe", "log_recommendation", "log_report", "log_sweep_figures", "open_sweep",
+    "reconcile_orphans", "reopen", "resolve_tracking_uri", "resumed_parent", "runs_link", "settled_trials", "spec_of",
+    "sqlite_path", "target_tags", "trial_histories", "writer",
 ]

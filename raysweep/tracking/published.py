@@ -28,16 +28,56 @@ def log_report(tracking_uri: str, record: SweepRecord, folder: Path, trial_pngs:
 
 
 def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
-    """The time-to-target table (`rec`: noise.Recommendation) on a run: metrics `grad_noise_scale` and
-    `recommended_global_batch`, and the table as recommendation.json."""
+    """The time-to-target table (`rec`: noise.Recommendation, the evidence beside the answer, not an answer of its
+    own) on a run: metric `grad_noise_scale`, and the table as recommendation.json."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric("grad_noise_scale", rec.noise_scale, now, 0),
-                                      Metric("recommended_global_batch", rec.fastest.global_batch, now, 0)])
+    client.log_batch(run_id, metrics=[Metric("grad_noise_scale", rec.noise_scale, now, 0)])
     client.log_text(run_id, json.dumps(rec.as_dict(), indent=1), "recommendation.json")
+
+
+ANSWER_PARAMS_OUTDATED = "answer.params_outdated"  # a tag: the answer changed since its params were logged
+
+
+def log_answer(tracking_uri: str, run_id: str, answer) -> None:
+    """The sweep's answer (`answer`: answer.Answer) on its parent run: `answer.*` params (the recipe, as text) and
+    metrics (its numbers, the fit's exponent, a confirmation's measurements), and answer.json. MLflow's params never
+    change once logged: where a later answer differs (a resumed sweep, a confirmation), the params keep the first
+    and the tag `answer.params_outdated` says so; the metrics and answer.json are always the current answer."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    held = client.get_run(run_id).data.params
+    params = answer.params()
+    changed = sorted(k for k, v in params.items() if k in held and held[k] != v)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in answer.metrics().items()],
+                     params=[Param(k, v) for k, v in params.items() if k not in held],
+                     tags=[RunTag(ANSWER_PARAMS_OUTDATED, ", ".join(changed))] if changed else [])
+    if not changed and ANSWER_PARAMS_OUTDATED in client.get_run(run_id).data.tags:
+        client.delete_tag(run_id, ANSWER_PARAMS_OUTDATED)
+    client.log_text(run_id, json.dumps(answer.as_json(), indent=1), "answer.json")
+
+
+def log_confirmation(tracking_uri: str, confirmation) -> None:
+    """A `confirm` run's finding on its own parent run (`confirmation`: answer.Confirmation): metrics `predicted_*`
+    and `measured_*` (the mean over its seeds) of the value at the end, the time to the target and the seconds to
+    the predicted value, where there is one."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    p = confirmation.predicted
+    figures = {"predicted_value": p.value, "predicted_time_to_target_s": p.time_to_target_s,
+               "predicted_seconds_to_value": p.seconds}
+    for key in ("value", "time_to_target_s", "seconds_to_value"):
+        figures[f"measured_{key}"] = confirmation.measured(key)
+    now = int(time.time() * 1000)
+    MlflowClient(tracking_uri).log_batch(confirmation.parent_run_id, metrics=[
+        Metric(k, float(v), now, 0) for k, v in figures.items() if v is not None])
 
 
 def log_importance(tracking_uri: str, run_id: str, importance: dict) -> None:

@@ -141,4 +141,41 @@ def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = N
         trials.append(RunRecord(info.run_id, ctags.get("trial_id", info.run_name), status, dict(child.data.params),
                                 history, dict(ctags), wall, ctags.get(TAG_BASELINE) == "true"))
     return SweepRecord(tracking_uri, experiment, found.experiment_id, parent.info.run_id, parent.info.run_name,
-                       metric, mode or "min", spec_text or "", trials, target)
+                       metric, mode or "min", spec_text or "", trials, target,
+                       confirmations(client, found.experiment_id, parent.info.run_id, metric, mode or "min"))
+
+
+def confirmations(client, experiment_id: str, sweep_run_id: str, metric: str, mode: str) -> list:
+    """The `raysweep confirm` runs of a sweep (their parents tagged raysweep.confirms with its run id), oldest first,
+    as answer.Confirmation: each seed's run and what it measured, beside what was predicted."""
+    import json
+
+    from raysweep.answer import Confirmation, Expected, seconds_to_value
+    from raysweep.tracking.runs import CONFIRMS, PREDICTED
+
+    parents = client.search_runs([experiment_id], filter_string=f"tags.`{CONFIRMS}` = '{sweep_run_id}'",
+                                 order_by=["attributes.start_time ASC"], max_results=100)
+    out = []
+    for parent in parents:
+        tags = parent.data.tags
+        try:
+            predicted = Expected(**json.loads(tags[PREDICTED]))
+        except (KeyError, ValueError, TypeError):
+            continue  # not one this version wrote
+        runs = []
+        for child in client.search_runs([experiment_id], max_results=100,
+                                        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+                                        order_by=["attributes.start_time ASC"]):
+            history = {name: {int(m.step): m.value for m in client.get_metric_history(child.info.run_id, name)}
+                       for name in ("epoch", "train_seconds", metric) if name in child.data.metrics}
+            m = child.data.metrics
+            runs.append({"trial_id": child.data.tags.get("trial_id", child.info.run_name),
+                         "seed": int(float(child.data.params.get("seed", -1))),
+                         "status": outcome_of_run(child.info.status, child.data.tags),
+                         "epoch": int(m.get("epoch", 0)), "value": m.get(metric),
+                         "time_to_target_s": m.get("time_to_target_s"), "train_seconds": m.get("train_seconds"),
+                         "seconds_to_value": (seconds_to_value(history, metric, predicted.value, mode)
+                                              if predicted.value is not None else None)})
+        out.append(Confirmation(parent.info.run_id, int(tags.get("raysweep.confirm_global_batch", 0)),
+                                float(tags.get("raysweep.confirm_peak_lr", "nan")), predicted, runs))
+    return out

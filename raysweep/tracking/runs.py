@@ -147,6 +147,19 @@ def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric
     end_sweep(tracking_uri, parent_run_id, status)
 
 
+CONFIRMS, PREDICTED = "raysweep.confirms", "raysweep.predicted"  # a confirm run's parent: the sweep, the prediction
+
+
+def confirm_tags(confirming) -> dict[str, str]:
+    """A `confirm` run's parent tags (`confirming`: sweep.Confirming or None): the sweep it confirms, the recipe's
+    global batch and peak LR, and what it was predicted to reach (JSON); reads.confirmations reads them back."""
+    if confirming is None:
+        return {}
+    return {CONFIRMS: confirming.sweep_run_id, PREDICTED: confirming.predicted,
+            "raysweep.confirm_global_batch": str(confirming.global_batch),
+            "raysweep.confirm_peak_lr": repr(confirming.peak_lr)}
+
+
 def target_tags(target) -> dict[str, str]:
     """The parent run's tags for tune.target (config.TargetConfig or None): `report` ranks by them."""
     if target is None:

@@ -1,0 +1,93 @@
+"""`raysweep answer` and `raysweep confirm`: the sweep's answer (or the predicted recipe for another global batch)
+printed from the store, and run for its whole budget outside ASHA on two seeds, its measurements beside the
+prediction. What a confirmation measured goes to the sweep's answer.json, its parent run's `answer.*` metrics and
+its report (report.publish rebuilds them from the store, which now holds the confirmation).
+
+A confirmation runs the sweep's own spec as it logged it (data, model, scaling, the schedule, tune.target), with the
+recipe's knobs fixed; the spec given on the command line names the sweep (its experiment, store and storage_path).
+Its exit code is 0 whatever the comparison says (the comparison is the finding), 1 when no seed's run succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from raysweep import layout, storage
+from raysweep.errors import UserError
+
+
+def _sweep_of(config):
+    """The newest `tune` sweep of a spec's experiment (tracking.load_sweep), and the noise scale's advice on it."""
+    from raysweep import report, tracking
+
+    uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
+    tracking.reconcile_orphans(uri)
+    record = tracking.load_sweep(uri, config.experiment_name)
+    return record, report.recommendation(record)
+
+
+def answer_for(config, batch: int | None):
+    """(the sweep's record, its answer; or with `batch`, the predicted recipe at that global batch)."""
+    from raysweep.answer import answer_of, predict
+
+    record, advice = _sweep_of(config)
+    if batch is not None:
+        return record, predict(record, batch, config.command_args, advice)
+    answer = answer_of(record, config.command_args, advice)
+    if answer is None:
+        raise UserError(f"{config.source}: the sweep {record.parent_name} has no answer: no trial finished or was "
+                        f"pruned (see `raysweep report {config.command_args}`)")
+    return record, answer
+
+
+def show(config, batch: int | None) -> int:
+    """`raysweep answer SPEC [--batch N]`: the sweep's answer, or the predicted recipe at global batch N."""
+    from raysweep import console
+
+    _, answer = answer_for(config, batch)
+    console.print_answer(answer)
+    return 0
+
+
+def confirm_spec(record, config, recipe):
+    """The spec a confirmation runs: the sweep's as it logged it (else the one given) with the recipe's knobs fixed,
+    under the given spec's name, storage and store; and the per-GPU batch cap the sweep had (a number), if any."""
+    from raysweep.answer import spec_of
+    from raysweep.config import SearchConfig
+
+    logged = spec_of(record) or config
+    cap = getattr(logged.search.per_gpu_batch_size, "max", None)
+    spec = logged.model_copy(update={"name": config.name, "storage_path": config.storage_path,
+                                     "mlflow": config.mlflow, "search": SearchConfig(**recipe.knobs())})
+    spec._source, spec._args = config._source, config._args
+    return spec, cap if isinstance(cap, int) else None
+
+
+def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, address: str | None = None,
+        verbose: bool = False, progress_every_s: float = 30.0) -> int:
+    """`raysweep confirm SPEC [--batch N] [--seeds a,b]`: the answer (or the prediction at N) on each seed (default:
+    the two after train.seed: the sweep's trials all ran train.seed), for its whole budget, outside ASHA; then each
+    seed's measurement beside the prediction, and the sweep's answer.json, MLflow and report updated."""
+    from raysweep import console, report, sweep, tracking
+
+    record, answer = answer_for(config, batch)
+    seeds = tuple(seeds) if seeds else (config.train.seed + 1, config.train.seed + 2)
+    spec, cap = confirm_spec(record, config, answer.recipe)
+    r = answer.recipe
+    console.print_confirming(answer, seeds)
+    confirming = sweep.Confirming(record.parent_run_id, seeds, json.dumps(asdict(answer.expected)), r.global_batch,
+                                  r.peak_lr)
+    code = sweep.run(spec, address=address, verbose=verbose, progress_every_s=progress_every_s, cap_batch=cap,
+                     confirming=confirming)
+    uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
+    again = tracking.load_sweep(uri, config.experiment_name, record.parent_run_id)  # with this confirmation
+    mine = next((c for c in reversed(again.confirmations) if c.global_batch == r.global_batch), None)
+    if mine is not None:
+        tracking.log_confirmation(uri, mine)
+    report_dir = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
+    built = report.publish(again, report_dir, config.command_args)
+    console.print_confirmation(mine, answer, storage.join(report_dir, report.ANSWER_FILE))
+    if built.answer is not None and built.answer.confirmed is not None and batch is None:
+        console.print_answer(built.answer)
+    return code
