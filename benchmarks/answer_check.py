@@ -1,0 +1,190 @@
+"""The sweep's answer checked against ground truth: a dense grid of global batch × peak LR, each trained for the same
+training seconds, then an ordinary sweep (ASHA in seconds, at most 16 trials) and its confirmation on the same task.
+
+    python benchmarks/answer_check.py            # CPU: 64×24 captchas, 4 batches × 6 LRs × 20 s, ~15 min on 2 cores
+    python benchmarks/answer_check.py --gpu      # one GPU: 50,000 at 160×60, bf16; sized for under 9 minutes
+    python benchmarks/answer_check.py --quick    # the code path in ~2 minutes (CI)
+
+The grid runs in this process with raysweep's own rank code (worker.run.TrainingRun: the model, the step, the
+schedule fitted to train.time_budget_s, evaluation), one rank, the threads a worker of the spec gets. The sweep is
+`python -m raysweep tune SPEC --confirm` in a fresh folder: the same task, its search over the grid's batches but one
+(left out) and the grid's LR range, its answer and confirmation as any user gets them. Reported, as RESULT lines:
+
+- the answer's value against the grid's best final val_loss (goal: within 5 %): the confirmation's mean over two
+  seeds, and the grid's value at the answer's batch and nearest LR;
+- the predicted peak LR for the batch the sweep left out (`raysweep answer SPEC --batch N`) against that batch's best
+  grid LR (goal: within 1.5×), the grid's best as its argmin and as the vertex of a parabola in log LR through the
+  argmin and its two neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODES = {  # the task, the grid and the sweep of each mode
+    "cpu": dict(width=64, height=24, train=4096, val=512, workers_cpus=2, gpu=False, precision="auto", seconds=20.0,
+                batches=(32, 64, 128, 256), lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3), left_out=256, trials=16),
+    "gpu": dict(width=160, height=60, train=50_000, val=5_000, workers_cpus=4, gpu=True, precision="bf16",
+                seconds=10.0, batches=(256, 512, 1024, 2048), lrs=(1e-3, 2e-3, 4e-3, 8e-3), left_out=2048, trials=12),
+    "quick": dict(width=64, height=24, train=512, val=128, workers_cpus=1, gpu=False, precision="fp32", seconds=2.0,
+                  batches=(16, 32), lrs=(1e-3, 4e-3), left_out=32, trials=4),
+}
+
+
+def task_spec(mode: dict, work: Path) -> dict:
+    """The task as a raysweep spec: one rank, a time budget, the LR given as the peak LR itself (lr_rule none), warmup
+    and weight decay fixed (the grid is batch × LR alone); its search: the grid's batches but the left-out one."""
+    searched = [b for b in mode["batches"] if b != mode["left_out"]]
+    seconds = mode["seconds"]
+    return {
+        "name": "answer_check",
+        "storage_path": str(work / "results"),
+        "data": {"width": mode["width"], "height": mode["height"],
+                 "synthetic": {"train_size": mode["train"], "val_size": mode["val"], "seed": 0}},
+        "scaling": {"num_workers": 1, "use_gpu": mode["gpu"], "cpus_per_worker": mode["workers_cpus"]},
+        "train": {"epochs": 10_000, "time_budget_s": seconds, "precision": mode["precision"], "lr_rule": "none",
+                  "reference_batch_size": 256, "checkpoint_every": 10_000, "seed": 0},
+        "search": {"per_gpu_batch_size": {"choice": searched, "default": searched[len(searched) // 2]},
+                   "base_lr": {"loguniform": [min(mode["lrs"]), max(mode["lrs"])], "default": 1.0e-3},
+                   "warmup_epochs": 1, "weight_decay": 1.0e-4},
+        "tune": {"num_samples": mode["trials"], "metric": "val_loss", "seed": 0,
+                 "asha": {"unit": "seconds", "grace_period": round(seconds / 9, 3), "reduction_factor": 3}},
+        "mlflow": {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}"},
+    }
+
+
+def grid(config, mode: dict) -> dict[tuple[int, float], float]:
+    """Every (global batch, peak LR) of the grid trained for the spec's training seconds in this process, as a rank
+    of the spec trains: {(batch, lr): final val_loss}."""
+    import torch
+
+    from raysweep.data import load_data
+    from raysweep.worker.device import setup_device
+    from raysweep.worker.run import TrainingRun
+
+    device = torch.device("cuda" if mode["gpu"] else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(mode["workers_cpus"])  # what a worker of the spec gets (OMP_NUM_THREADS)
+    setup_device(device)
+    data = load_data(config.data)
+    out = {}
+    for batch in mode["batches"]:
+        for lr in mode["lrs"]:
+            trial = config.trials.trial({"per_gpu_batch_size": batch, "base_lr": lr}, len(data.train))
+            run = TrainingRun.build(trial, data, 0, 1, device)
+            run.restore(None)
+            epoch, last = 1, None
+            while epoch <= run.epochs:
+                last = run.epoch(epoch)
+                if not math.isfinite(last.val_loss):
+                    break
+                epoch += 1
+            out[batch, lr] = last.val_loss if last is not None and math.isfinite(last.val_loss) else math.inf
+            print(f"grid  batch {batch:>5}  peak LR {lr:.2e}  {last.epoch:>4} epochs  {last.train_seconds:6.1f} s  "
+                  f"val_loss {out[batch, lr]:.4f}", flush=True)
+            del run
+    return out
+
+
+def best_lr(values: dict[float, float]) -> tuple[float, float]:
+    """A batch's best grid LR: (the argmin, the vertex of the parabola in log LR through it and its neighbours; the
+    argmin itself at the grid's edge)."""
+    lrs = sorted(values)
+    i = min(range(len(lrs)), key=lambda k: values[lrs[k]])
+    if i in (0, len(lrs) - 1) or not all(math.isfinite(values[lrs[k]]) for k in (i - 1, i, i + 1)):
+        return lrs[i], lrs[i]
+    around = (i - 1, i, i + 1)
+    (x0, x1, x2), (y0, y1, y2) = (math.log(lrs[k]) for k in around), (values[lrs[k]] for k in around)
+    denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
+    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
+    return lrs[i], math.exp(-b / (2 * a)) if a > 0 else lrs[i]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the code path only: a 2 × 2 grid, 4 trials, 2 s each")
+    parser.add_argument("--gpu", action="store_true", help="one GPU: 50,000 images at 160×60, bf16")
+    parser.add_argument("--seconds", type=float, default=None, help="training seconds per run (default: the mode's)")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here too")
+    args = parser.parse_args()
+    mode = dict(MODES["quick" if args.quick else "gpu" if args.gpu else "cpu"])
+    if args.seconds:
+        mode["seconds"] = args.seconds
+    import yaml
+
+    from raysweep.config import load_config
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="answer-check-") as tmp:
+        work = Path(tmp)
+        spec_path = work / "spec.yaml"
+        spec_path.write_text(yaml.safe_dump(task_spec(mode, work), sort_keys=False))
+        config = load_config(spec_path)
+        truth = grid(config, mode)
+        grid_s = time.monotonic() - started
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        sweep = subprocess.run([sys.executable, "-m", "raysweep", "tune", str(spec_path), "--confirm",
+                                "--progress-every", "600"], cwd=work, env=env, capture_output=True, text=True,
+                               timeout=3600)
+        print(sweep.stdout[-6000:], flush=True)
+        if sweep.returncode != 0:
+            print(sweep.stderr[-3000:], file=sys.stderr)
+            return 1
+        answer = json.loads((work / "results" / "answer_check" / "report" / "answer.json").read_text())
+        predicted = subprocess.run([sys.executable, "-m", "raysweep", "answer", str(spec_path), "--batch",
+                                    str(mode["left_out"])], cwd=work, env=env, capture_output=True, text=True,
+                                   timeout=600)
+        if predicted.returncode != 0:
+            print(predicted.stderr[-3000:], file=sys.stderr)
+            return 1
+        print(predicted.stdout, flush=True)
+    lr_left = float(re.search(r"peak LR (\S+),", predicted.stdout).group(1))
+    best_value = min(truth.values())
+    best_at = min(truth, key=truth.get)
+    batch, lr = answer["global_batch"], answer["peak_lr"]
+    nearest = min((k for k in truth if k[0] == batch), key=lambda k: abs(math.log(k[1] / lr)), default=None)
+    confirmed = (answer.get("confirmed") or {}).get("measured", {}).get("value")
+    left = {k[1]: v for k, v in truth.items() if k[0] == mode["left_out"]}
+    argmin, vertex = best_lr(left)
+    figures = {
+        "grid_best_val_loss": best_value, "grid_best_batch": best_at[0], "grid_best_lr": best_at[1],
+        "answer_batch": batch, "answer_peak_lr": lr, "answer_trial_val_loss": answer["expected"]["value"],
+        "answer_confirmed_val_loss": confirmed, "answer_grid_val_loss": truth.get(nearest) if nearest else None,
+        "lr_fit": answer["lr_fit"], "left_out_batch": mode["left_out"], "left_out_predicted_lr": lr_left,
+        "left_out_grid_argmin_lr": argmin, "left_out_grid_vertex_lr": vertex, "grid_s": grid_s,
+        "total_s": time.monotonic() - started, "mode": "quick" if args.quick else "gpu" if args.gpu else "cpu",
+        "grid": {f"{b} {lr_:.2e}": v for (b, lr_), v in sorted(truth.items())},
+    }
+    print(f"\ngrid: best val_loss {best_value:.4f} at batch {best_at[0]}, peak LR {best_at[1]:.2e}")
+    print(f"answer: batch {batch}, peak LR {lr:.2e}: its trial {answer['expected']['value']:.4f}, confirmed "
+          f"{confirmed if confirmed is None else f'{confirmed:.4f}'} (two seeds), the grid at batch {batch}, "
+          f"LR {nearest[1] if nearest else float('nan'):.2e}: {figures['answer_grid_val_loss'] or float('nan'):.4f}")
+    print(f"LR fit: {answer['lr_fit']['supports']}, exponent {answer['lr_fit']['exponent']}, interval "
+          f"{answer['lr_fit']['interval']} ({answer['lr_fit']['reason']})")
+    print(f"left-out batch {mode['left_out']}: predicted peak LR {lr_left:.2e}; the grid's best {argmin:.2e} "
+          f"(argmin), {vertex:.2e} (parabola)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    measured = confirmed if confirmed is not None else answer["expected"]["value"]
+    print(f"RESULT answer_vs_grid_best ratio={measured / best_value:.4f}")
+    at_grid = figures["answer_grid_val_loss"] or math.inf
+    print(f"RESULT answer_grid_point_vs_grid_best ratio={at_grid / best_value:.4f}")
+    print(f"RESULT left_out_lr_vs_grid_argmin ratio={max(lr_left / argmin, argmin / lr_left):.4f}")
+    print(f"RESULT left_out_lr_vs_grid_vertex ratio={max(lr_left / vertex, vertex / lr_left):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
