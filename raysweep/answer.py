@@ -34,7 +34,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from raysweep.metrics import FINISHED, PRUNED, RunRecord, SweepRecord, rank
+from raysweep.metrics import FINISHED, PRUNED, RunRecord, SweepRecord
 from raysweep.metrics import names as M
 from raysweep.optim import LR_RULE_POWER
 
@@ -266,9 +266,11 @@ def answer_of(record: SweepRecord, spec_file: str | None = None, advice=None) ->
 
 
 def _ranked(record: SweepRecord) -> list[RunRecord]:
-    """The sweep's ranking (report/table.ranked, metrics.rank): trials that did not fail, best first."""
-    return rank([t for t in record.trials if t.status in (FINISHED, PRUNED)], RunRecord.last, record.metric,
-                record.mode, record.target is not None)
+    """The sweep's own ranking, the summary table's (report/table.ranked: metrics.rank over the trials that did not
+    fail, best first), so that the answer is the table's first row."""
+    from raysweep.report.table import ranked
+
+    return ranked(record)
 
 
 def recipe_of(t: RunRecord, spec) -> Recipe:
