@@ -22,8 +22,8 @@ def _sweep_of(config):
     from raysweep import report, tracking
 
     uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
-    tracking.reconcile_orphans(uri)
-    record = tracking.load_sweep(uri, config.experiment_name)
+    tracking.reconcile_orphans(uri)  # a sweep whose driver died is not read as still running (no store: nothing)
+    record = tracking.load_sweep(uri, config.experiment_name, command=config.source)  # a UserError without one
     return record, report.recommendation(record)
 
 

@@ -519,7 +519,8 @@ def _supports(fit) -> str:
     if fit.supports in ("linear", "sqrt", "none"):
         return f"supports the {fit.supports} rule"
     if fit.supports == "inconclusive":
-        return f"the sweep cannot tell the {' and '.join(fit.consistent)} rules apart"
+        names = list(fit.consistent)
+        return f"the sweep cannot tell the {', '.join(names[:-1])} and {names[-1]} rules apart"
     return "supports neither the linear nor the square-root rule"
 
 

@@ -230,3 +230,19 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     last = out[out.rindex("\nanswer (ran): "):]
     assert f"global batch {built.answer.recipe.global_batch} = per-GPU" in last
     assert "supports the sqrt rule" in last and "confirm:  python -m raysweep confirm search_spaces/x.yaml" in last
+
+
+def test_answer_and_confirm_without_a_sweep_are_one_line_naming_the_spec(tmp_path, capsys):
+    """No store yet, or a store without a `tune` of this spec's experiment: one line, exit 2, before Ray."""
+    from raysweep.cli import main
+
+    from conftest import tiny_spec, write_spec
+
+    path = write_spec(tmp_path, tiny_spec(tmp_path))
+    for command in (["answer", str(path)], ["answer", str(path), "--batch", "64"], ["confirm", str(path)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"raysweep: error: {path}: no MLflow store at "), err
+    assert main(["confirm", str(path), "--seeds", "1,x"]) == 2
+    assert "--seeds '1,x': expected whole numbers" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()

@@ -138,3 +138,16 @@ def test_folder_scale_quick_runs_the_real_command_on_a_written_folder():
     assert [r.split(":")[0] for r in runs] == ["train, empty cache", "train, warm cache"]
     for name in ("decode_s", "cached_read_s", "driver_peak_rss_gb", "first_step_cold_s"):
         assert re.search(rf"^RESULT folder_scale_{name} value=\d+\.\d+$", out, re.M), name
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_answer_check_quick_runs_the_grid_the_sweep_and_the_prediction():
+    """The answer against a grid: the grid in-process with the rank code, a real `tune` on the same task, `answer
+    --batch` for the batch the sweep left out; every figure printed (the CPU and GPU modes differ in sizes only)."""
+    out = _run("answer_check.py")
+    grid = [ln for ln in out.splitlines() if ln.startswith("grid  batch")]
+    assert len(grid) == 4 and all("val_loss" in ln for ln in grid)  # 2 batches × 2 LRs
+    assert "answer (predicted, not yet run): global batch 32 = per-GPU 32 × 1 workers" in out
+    for name in ("answer_vs_grid_best", "answer_grid_point_vs_grid_best", "left_out_lr_vs_grid_argmin"):
+        assert re.search(rf"^RESULT {name} ratio=\d+\.\d+$", out, re.M), name

@@ -89,28 +89,30 @@ def last_noise_scale(tracking_uri: str, experiment: str) -> tuple[float, str]:
     return run.data.metrics["grad_noise_scale"], f"sweep {run.info.run_name}"
 
 
-def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = None) -> SweepRecord:
+def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = None,
+               command: str = "report") -> SweepRecord:
     """A sweep from the MLflow store alone (the newest `tune` parent run of `experiment`, or the one given).
 
-    An absent store, an unknown experiment or one without a sweep is a UserError (no store is created).
+    An absent store, an unknown experiment or one without a sweep is a UserError naming `command` (no store is
+    created).
     """
     from mlflow.tracking import MlflowClient
 
     db = sqlite_path(tracking_uri)
     if db is not None and not db.is_file():
-        raise UserError(f"report: no MLflow store at {db}; pass --tracking-uri sqlite:///path/to/mlflow.db "
+        raise UserError(f"{command}: no MLflow store at {db}; pass --tracking-uri sqlite:///path/to/mlflow.db "
                         f"(the store the sweep printed)")
     client = MlflowClient(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         names = sorted(e.name for e in client.search_experiments() if e.name != "Default")
-        raise UserError(f"report: no experiment {experiment!r} in {tracking_uri}; "
+        raise UserError(f"{command}: no experiment {experiment!r} in {tracking_uri}; "
                         + (f"it holds {', '.join(map(repr, names))}" if names else "the store is empty"))
     if parent_run_id is None:
         parents = client.search_runs([found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune'",
                                      order_by=["attributes.start_time DESC"], max_results=50)
         if not parents:
-            raise UserError(f"report: experiment {experiment!r} in {tracking_uri} holds no sweep (no `tune` run)")
+            raise UserError(f"{command}: experiment {experiment!r} in {tracking_uri} holds no sweep (no `tune` run)")
         # the newest sweep that ran a trial: one that failed before its first trial has nothing to show
         parent = next((p for p in parents if client.search_runs(
             [found.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{p.info.run_id}'", max_results=1)),
