@@ -57,8 +57,9 @@ def _measure(rank: int, world: int, accum: int, args) -> dict[str, float]:
     keep_host_memory(device)
     micro = args.batch // accum
     trial = _trial(micro, accum, args.steps, world, args.width, args.height)
-    rng = np.random.default_rng(rank)
-    n = micro * accum * args.steps
+    # every rank holds the whole training set, as a worker does (each epoch deals it its share: shard.epoch_plan)
+    rng = np.random.default_rng(0)
+    n = trial.train_size
     arrays = CaptchaArrays(rng.integers(0, 255, (n, args.height, args.width), dtype=np.uint8),
                            rng.integers(0, len(CHARSET), (n, 4), dtype=np.uint8))
     shard = Shard.build(arrays, len(CHARSET), device)

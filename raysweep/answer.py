@@ -25,16 +25,15 @@ command that confirms it. From the store alone (metrics.SweepRecord and the spec
   of its samples, E(B) = E_min (1 + B / B_noise) (McCandlish et al.), at that batch's measured throughput: the time
   to the target, or to the answer's value when the sweep has no target.
 - **Confirmations** (`raysweep confirm`): the recipe run outside ASHA for its whole budget on two seeds; each run's
-  measured value beside the predicted one (`Confirmation`).
+  measured value beside the predicted one (metrics.ConfirmationRecord, as the store holds it).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 
-from raysweep.metrics import FINISHED, PRUNED, RunRecord, SweepRecord
+from raysweep.metrics import FINISHED, PRUNED, ConfirmationRecord, RunRecord, SweepRecord
 from raysweep.metrics import names as M
 from raysweep.optim import LR_RULE_POWER
 
@@ -138,28 +137,6 @@ class LrFit:
 
 
 @dataclass(frozen=True)
-class Confirmation:
-    """One `raysweep confirm` of a recipe: each seed's run and what it measured, beside what was predicted."""
-
-    parent_run_id: str
-    global_batch: int
-    peak_lr: float
-    predicted: Expected
-    runs: list[dict]  # per seed: trial_id, seed, status, value, time_to_target_s, seconds_to_value, train_seconds
-
-    def measured(self, key: str) -> float | None:
-        """The mean over the seeds' runs of a figure (`value`, `time_to_target_s`, `seconds_to_value`); None when a
-        run lacks it (a seed that never reached the target: the mean would hide it)."""
-        values = [r.get(key) for r in self.runs]
-        return statistics.fmean(values) if values and all(v is not None for v in values) else None
-
-    def as_dict(self) -> dict:
-        return {"parent_run_id": self.parent_run_id, "global_batch": self.global_batch, "peak_lr": self.peak_lr,
-                "predicted": asdict(self.predicted), "runs": self.runs,
-                "measured": {k: self.measured(k) for k in ("value", "time_to_target_s", "seconds_to_value")}}
-
-
-@dataclass(frozen=True)
 class Answer:
     """The sweep's one answer (the module's docstring): `answer.json`, the `answer.*` params and metrics, the
     sweep's last block and the top of report.html."""
@@ -173,9 +150,9 @@ class Answer:
     lr_fit: LrFit
     tau: float | None  # AdamW's timescale τ = B / (η λ D) of the answer
     confirm_command: str
-    confirmed: Confirmation | None = None  # the newest confirmation of this very recipe
+    confirmed: ConfirmationRecord | None = None  # the newest confirmation of this very recipe
     notes: tuple[str, ...] = ()  # what a reader must know: the LR's source, an extrapolation, other confirmations
-    confirmations: list[Confirmation] = field(default_factory=list)  # every confirmation of this sweep
+    confirmations: list[ConfirmationRecord] = field(default_factory=list)  # every confirmation of this sweep
 
     def as_json(self) -> dict:
         """answer.json: the recipe's keys at the top, then the evidence."""
@@ -235,18 +212,14 @@ def spec_of(record: SweepRecord):
         return None
 
 
-def answer_of(record: SweepRecord, spec_file: str | None = None, advice=None) -> Answer | None:
+def answer_of(record: SweepRecord, spec_file: str | None, advice) -> Answer | None:
     """The sweep's answer: its best trial's recipe (the module's docstring); None when no trial ranked or the spec
-    cannot be read. `spec_file`: the spec's path, for the confirm command; `advice`: report.recommendation's
-    noise.Recommendation (B_noise and the throughput per batch), computed here when not given."""
+    cannot be read. `spec_file`: the spec's path (and --set overrides), for the confirm command; `advice`:
+    report.recommendation's noise.Recommendation (B_noise and the throughput per batch), or None."""
     spec = spec_of(record)
     ranked = _ranked(record)
     if spec is None or not ranked:
         return None
-    if advice is None:
-        from raysweep.report import recommendation
-
-        advice = recommendation(record)
     best = ranked[0]
     recipe = recipe_of(best, spec)
     target = record.target is not None
@@ -340,7 +313,7 @@ def fit_lr(record: SweepRecord, spec, b_noise: float | None, seed: int = 0) -> L
     supports. It needs MIN_FIT_TRIALS trials across two global batches."""
     import numpy as np
 
-    from raysweep.report.importance import value_at
+    from raysweep.report.importance import value_at  # report/importance.py: metrics alone, never the report
 
     b_noise = b_noise if b_noise and math.isfinite(b_noise) and b_noise > 0 else None
     clock, budgets = _budgets(spec)
@@ -430,7 +403,7 @@ def _bowl(data, center) -> tuple[float, float, float] | None:
 # A batch the sweep did not run
 
 
-def predict(record: SweepRecord, batch: int, spec_file: str | None = None, advice=None) -> Answer:
+def predict(record: SweepRecord, batch: int, spec_file: str | None, advice) -> Answer:
     """The predicted recipe at global batch `batch` (`raysweep answer SPEC --batch N`): the answer's workers and
     accumulation, its per-GPU batch made up to `batch`; the peak LR from the fit (or the square-root rule from the
     answer's), the weight decay from the answer's τ, its warmup in epochs, and the time to the answer's value from
@@ -438,10 +411,6 @@ def predict(record: SweepRecord, batch: int, spec_file: str | None = None, advic
     nearest that can."""
     from raysweep.errors import UserError
 
-    if advice is None:
-        from raysweep.report import recommendation
-
-        advice = recommendation(record)
     base = answer_of(record, spec_file, advice)
     if base is None:
         raise UserError(f"answer: the sweep {record.parent_name} has no trial to start from (none finished or was "
@@ -571,21 +540,3 @@ def _with_confirmations(record: SweepRecord, answer: Answer, notes: list[str]) -
     if runs and confirmed is None and answer.ran:
         notes.append(f"{len(runs)} confirmation(s) of other recipes; none of this one yet")
     return dataclasses.replace(answer, confirmed=confirmed, confirmations=runs, notes=(*answer.notes, *notes))
-
-
-def seconds_to_value(history: dict, metric: str, value: float, mode: str) -> float | None:
-    """Training seconds at which a run's metric first reached `value`, interpolated between the epochs around it
-    (from 0 s before the first); None: never."""
-    from raysweep.metrics import reached
-
-    clock, values = history.get(M.train_seconds) or {}, history.get(metric) or {}
-    before = None
-    for epoch in sorted(e for e in values if e in clock):
-        now = (clock[epoch], values[epoch])
-        if reached(now[1], value, mode):
-            if before is None or before[1] == now[1]:
-                return now[0]
-            f = min(max((value - before[1]) / (now[1] - before[1]), 0.0), 1.0)
-            return before[0] + f * (now[0] - before[0])
-        before = now
-    return None

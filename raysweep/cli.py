@@ -92,7 +92,8 @@ def cmd_tune(args) -> int:
     if args.confirm and code == 0:
         from raysweep import confirm
 
-        return confirm.run(config, address=args.address, verbose=args.verbose, progress_every_s=args.progress_every)
+        return confirm.run(config, address=args.address, verbose=args.verbose, progress_every_s=args.progress_every,
+                           cap_batch=args.cap_batch)
     return code
 
 

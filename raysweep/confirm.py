@@ -65,10 +65,11 @@ def confirm_spec(record, config, recipe):
 
 
 def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, address: str | None = None,
-        verbose: bool = False, progress_every_s: float = 30.0) -> int:
+        verbose: bool = False, progress_every_s: float = 30.0, cap_batch: int | None = None) -> int:
     """`raysweep confirm SPEC [--batch N] [--seeds a,b]`: the answer (or the prediction at N) on each seed (default:
     the two after train.seed: the sweep's trials all ran train.seed), for its whole budget, outside ASHA; then each
-    seed's measurement beside the prediction, and the sweep's answer.json, MLflow and report updated."""
+    seed's measurement beside the prediction, and the sweep's answer.json, MLflow and report updated. `cap_batch`:
+    `tune --cap-batch`'s (else the sweep's search.per_gpu_batch_size.max, where a number)."""
     from raysweep import console, report, sweep, tracking
 
     record, answer = answer_for(config, batch)
@@ -78,8 +79,8 @@ def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, 
     console.print_confirming(answer, seeds)
     confirming = sweep.Confirming(record.parent_run_id, seeds, json.dumps(asdict(answer.expected)), r.global_batch,
                                   r.peak_lr)
-    code = sweep.run(spec, address=address, verbose=verbose, progress_every_s=progress_every_s, cap_batch=cap,
-                     confirming=confirming)
+    code = sweep.run(spec, address=address, verbose=verbose, progress_every_s=progress_every_s,
+                     cap_batch=cap_batch if cap_batch is not None else cap, confirming=confirming)
     uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
     again = tracking.load_sweep(uri, config.experiment_name, record.parent_run_id)  # with this confirmation
     mine = next((c for c in reversed(again.confirmations) if c.global_batch == r.global_batch), None)

@@ -495,12 +495,12 @@ def print_confirming(answer, seeds: tuple[int, ...]) -> None:
 
 
 def print_confirmation(c, answer, written: str) -> None:
-    """`confirm`'s finding (`c`: answer.Confirmation; None: it left no run): each seed's measurement beside what the
-    recipe was expected to reach, and where it was written."""
+    """`confirm`'s finding (`c`: metrics.ConfirmationRecord; None: it left no run): each seed's measurement beside
+    what the recipe was expected to reach, and where it was written."""
     if c is None or not c.runs:
         print("\nconfirmed: no run of the confirmation reached the store (see the failures above)")
         return
-    e = c.predicted
+    e = answer.expected
     print(f"\nconfirmation of global batch {c.global_batch}, peak LR {c.peak_lr:.2e} (MLflow run {c.parent_run_id}):")
     rows = []
     for run in c.runs:
@@ -525,8 +525,10 @@ def _supports(fit) -> str:
 
 
 def confirmation_line(c) -> str:
-    """A confirmation (answer.Confirmation) in a line: each seed's measured value beside the predicted one."""
-    p = c.predicted
+    """A confirmation (metrics.ConfirmationRecord) in a line: each seed's measured value beside the predicted one."""
+    from types import SimpleNamespace
+
+    p = SimpleNamespace(**{"value": None, "time_to_target_s": None, "seconds": None, **c.predicted})
     runs = ", ".join(f"seed {run['seed']}: {fmt(run.get('value'))}" + (
         f" ({run['time_to_target_s']:.1f} s to the target)" if run.get("time_to_target_s") is not None else "")
         for run in c.runs)

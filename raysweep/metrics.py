@@ -244,6 +244,46 @@ def rank(items: list, value_of, metric: str, mode: str, target: bool = False) ->
     return [i for key, _, i in sorted((k for k in keyed if k[0] is not None), key=lambda k: (k[0], k[1]))]
 
 
+def seconds_to_value(history: dict, metric: str, value: float, mode: str) -> float | None:
+    """Training seconds at which a run's metric first reached `value` (`history`: metric name → {epoch: value}, with
+    train_seconds), interpolated between the epochs around it (the first epoch's own seconds where it already did);
+    None: never."""
+    clock, values = history.get("train_seconds") or {}, history.get(metric) or {}
+    before = None
+    for epoch in sorted(e for e in values if e in clock):
+        now = (clock[epoch], values[epoch])
+        if reached(now[1], value, mode):
+            if before is None or before[1] == now[1]:
+                return now[0]
+            f = min(max((value - before[1]) / (now[1] - before[1]), 0.0), 1.0)
+            return before[0] + f * (now[0] - before[0])
+        before = now
+    return None
+
+
+@dataclass(frozen=True)
+class ConfirmationRecord:
+    """A `raysweep confirm` of one of a sweep's recipes as the store holds it (tracking.load_sweep): each seed's run
+    and what it measured, beside what the recipe was predicted to reach (answer.Expected's fields)."""
+
+    parent_run_id: str
+    global_batch: int
+    peak_lr: float
+    predicted: dict  # metric, value, time_to_target_s, samples, seconds, source
+    runs: list  # per seed: trial_id, seed, status, epoch, value, time_to_target_s, train_seconds, seconds_to_value
+
+    def measured(self, key: str) -> float | None:
+        """The mean over the seeds' runs of a figure (`value`, `time_to_target_s`, `seconds_to_value`); None when a
+        run lacks it (a seed that never reached the target: the mean would hide it)."""
+        values = [r.get(key) for r in self.runs]
+        return sum(values) / len(values) if values and all(v is not None for v in values) else None
+
+    def as_dict(self) -> dict:
+        return {"parent_run_id": self.parent_run_id, "global_batch": self.global_batch, "peak_lr": self.peak_lr,
+                "predicted": self.predicted, "runs": self.runs,
+                "measured": {k: self.measured(k) for k in ("value", "time_to_target_s", "seconds_to_value")}}
+
+
 @dataclass(frozen=True)
 class TrialView:
     """A Tune trial (live `Trial` or a `Result` of the grid) as the driver reads it."""
@@ -364,7 +404,7 @@ class SweepRecord:
     trials: list  # RunRecord, by start time
     # tune.target (metric, value): trials that reach it rank by time_to_target_s
     target: tuple[str, float] | None = None
-    # `raysweep confirm` runs of this sweep's recipes (answer.Confirmation), oldest first (tracking.load_sweep)
+    # `raysweep confirm` runs of this sweep's recipes (ConfirmationRecord), oldest first (tracking.load_sweep)
     confirmations: list = field(default_factory=list)
 
     def target_label(self) -> str:

@@ -81,13 +81,27 @@ def _sweep(exponent=0.5, n=32, seed=0, batches=(16, 32, 64, 128)) -> SweepRecord
     return SweepRecord("sqlite:///mlflow.db", "t", "1", "parent", "t 2026-11-26", "val_loss", "min", SPEC, trials)
 
 
-def test_the_answer_is_the_sweeps_best_trial_with_its_whole_recipe_and_what_it_expects():
+def _answer(record, spec_file=None):
+    """The sweep's answer as `tune` and `report` make it (with the noise scale's advice)."""
     from raysweep.answer import answer_of
+    from raysweep.report import recommendation
+
+    return answer_of(record, spec_file, recommendation(record))
+
+
+def _predict(record, batch, spec_file=None):
+    from raysweep.answer import predict
+    from raysweep.report import recommendation
+
+    return predict(record, batch, spec_file, recommendation(record))
+
+
+def test_the_answer_is_the_sweeps_best_trial_with_its_whole_recipe_and_what_it_expects():
     from raysweep.optim import scaled_lr
     from raysweep.report import ranked
 
     record = _sweep()
-    answer = answer_of(record, "spec.yaml")
+    answer = _answer(record, "spec.yaml")
     best = ranked(record)[0]
     r = answer.recipe
     assert answer.trial_id == best.trial_id and answer.ran and not answer.predicted
@@ -110,20 +124,18 @@ def test_the_answer_is_the_sweeps_best_trial_with_its_whole_recipe_and_what_it_e
 def test_a_best_trial_that_did_not_run_its_budget_is_marked_predicted():
     import dataclasses
 
-    from raysweep.answer import answer_of
 
     record = _sweep()
     only_pruned = dataclasses.replace(record, trials=[t for t in record.trials if t.status == "pruned"])
-    answer = answer_of(only_pruned)
+    answer = _answer(only_pruned)
     assert answer.predicted and not answer.ran and answer.notes and "did not run its whole budget" in answer.notes[0]
-    assert answer_of(dataclasses.replace(record, trials=[])) is None
+    assert _answer(dataclasses.replace(record, trials=[])) is None
 
 
 @pytest.mark.parametrize("exponent, rule", [(0.5, "sqrt"), (1.0, "linear")])
 def test_the_lr_fit_finds_the_exponent_that_made_the_trials_and_the_rule_it_supports(exponent, rule):
-    from raysweep.answer import answer_of
 
-    fit = answer_of(_sweep(exponent=exponent, n=40)).lr_fit
+    fit = _answer(_sweep(exponent=exponent, n=40)).lr_fit
     assert fit.supports == rule, (fit.exponent, fit.interval, fit.reason)
     low, high = fit.interval
     assert low <= exponent <= high and abs(fit.exponent - exponent) < 0.25
@@ -136,40 +148,38 @@ def test_the_lr_fit_finds_the_exponent_that_made_the_trials_and_the_rule_it_supp
 def test_noisy_trials_widen_the_interval_until_it_cannot_tell_the_rules_apart():
     """The same world with trial-to-trial noise as large as the bowl's depth over a decade of LR: 16 trials no longer
     tell the rules apart, and the fit says so instead of naming one."""
-    from raysweep.answer import answer_of
 
     record = _sweep(exponent=0.5, n=16, seed=3)
     rng = np.random.default_rng(1)
     for t in record.trials:
         shift = 0.08 * rng.standard_normal()
         t.history["val_loss"].update({e: v + shift for e, v in t.history["val_loss"].items()})
-    fit = answer_of(record).lr_fit
+    fit = _answer(record).lr_fit
     assert fit.supports == "inconclusive" and len(fit.consistent) >= 2, (fit.interval, fit.consistent)
     assert fit.interval[1] - fit.interval[0] > 0.5
 
 
 def test_a_sweep_that_cannot_fit_says_why_and_predicts_by_the_square_root_rule():
-    from raysweep.answer import answer_of, predict
 
     few = _sweep(n=6)
-    fit = answer_of(few).lr_fit
+    fit = _answer(few).lr_fit
     assert fit.supports == "undetermined" and fit.exponent is None and "the fit needs 8" in fit.reason
     one_batch = _sweep(n=24, batches=(32,))
-    assert "1 global batch" in answer_of(one_batch).lr_fit.reason
-    base = answer_of(few)
-    at = predict(few, 4 * base.recipe.global_batch)
+    assert "1 global batch" in _answer(one_batch).lr_fit.reason
+    base = _answer(few)
+    at = _predict(few, 4 * base.recipe.global_batch)
     assert at.recipe.peak_lr == pytest.approx(base.recipe.peak_lr * 2)  # √4: AdamW's square-root rule
     assert "square-root rule" in at.notes[0]
 
 
 def test_a_predicted_batch_gets_a_recipe_whose_numbers_add_up():
-    from raysweep.answer import answer_of, predict, throughput_at
+    from raysweep.answer import throughput_at
     from raysweep.errors import UserError
     from raysweep.optim import scaled_lr
 
     record = _sweep(n=40)
-    base = answer_of(record, "spec.yaml")
-    at = predict(record, 512, "spec.yaml")
+    base = _answer(record, "spec.yaml")
+    at = _predict(record, 512, "spec.yaml")
     r = at.recipe
     assert at.predicted and not at.ran and at.trial_id is None
     assert (r.global_batch, r.per_gpu_batch_size, r.num_workers, r.grad_accum_steps) == (512, 256, 2, 1)
@@ -188,7 +198,7 @@ def test_a_predicted_batch_gets_a_recipe_whose_numbers_add_up():
     assert any("past B_noise" in n for n in at.notes)
     assert at.confirm_command == "python -m raysweep confirm spec.yaml --batch 512"
     with pytest.raises(UserError, match=r"--batch 513: .* a multiple of 2; the nearest are 512 and 514"):
-        predict(record, 513)
+        _predict(record, 513)
 
 
 def test_throughput_between_measured_batches_is_interpolated_in_log_log():
@@ -201,7 +211,7 @@ def test_throughput_between_measured_batches_is_interpolated_in_log_log():
 
 
 def test_seconds_to_a_value_are_interpolated_between_the_epochs_around_it():
-    from raysweep.answer import seconds_to_value
+    from raysweep.metrics import seconds_to_value
 
     history = {"train_seconds": {1: 10.0, 2: 20.0, 3: 30.0}, "val_loss": {1: 0.5, 2: 0.3, 3: 0.2}}
     assert seconds_to_value(history, "val_loss", 0.4, "min") == pytest.approx(15.0)

@@ -106,7 +106,7 @@ def test_a_clock_write_never_holds_the_epoch_and_a_storage_error_is_the_stores(t
     import threading
 
     from raysweep.layout import CLOCK_FILE, read_clock
-    from raysweep.worker.entry import ClockWriter
+    from raysweep.worker.clock import ClockWriter
 
     blocked = tmp_path / "blocked"
     blocked.mkdir()

@@ -256,7 +256,8 @@ def test_the_summary_table_is_one_set_of_columns_printed_written_and_logged_alik
     built, trial_pngs = report.build(record, tmp_path / "report")
     # this record's spec searches nothing: no knob importance, so no parallel coordinates (tests/test_search.py)
     plots = [name for name in report.PLOTS if name != "parallel_coordinates.png"]
-    assert built.files == [*plots, "report.html"] and set(trial_pngs) == {t.run_id for t in record.trials}
+    assert built.files == [*plots, "report.html", "answer.json"]
+    assert set(trial_pngs) == {t.run_id for t in record.trials}
     assert [row.trial.trial_id for row in built.rows] == (["t0", "t1", "t2"] if target else ["t1", "t0", "t2"])
     summary = [row.as_dict(record.metric) for row in built.rows]
     assert all(list(s) == SUMMARY_KEYS for s in summary)
@@ -292,7 +293,7 @@ def test_the_sweeps_closing_lines_come_from_the_store(tmp_path, capsys):
     from raysweep.metrics import Horizon
 
     record = _record()
-    built = report.SweepReport(record, *report.summary_rows(record), None, [], None, str(tmp_path), [])
+    built = report.SweepReport(record, None, *report.summary_rows(record), None, [], None, str(tmp_path), [])
     train = load_config(write_spec(tmp_path, tiny_spec(tmp_path))).train
     console.print_sweep_summary(built, 42.0, Horizon("epoch", 3), train)
     assert "sweep: 4 trials in 42s: 2 finished, 1 pruned by ASHA, 1 failed; 8 of 12 epochs run (4 saved)" in \

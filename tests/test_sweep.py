@@ -241,9 +241,9 @@ def test_data_too_small_for_the_trial_fails_before_any_trial_starts(ray_cluster,
     captured = capsys.readouterr()
     error = captured.err.strip()
     assert error == (f"raysweep: error: {tmp_path / 'spec.yaml'}: search.per_gpu_batch_size: 1 × 8 accumulation "
-                     f"step(s) is more than a rank's share of the training set (14 images over 2 workers: 7 each): it "
-                     f"would run one step of 7 per rank with the LR scaled for 8; the largest per-GPU batch this data "
-                     f"runs is 1: lower the batch, or use more training images"), captured.err
+                     f"step(s) is more than a rank's share of the training set (14 images over 2 workers: 7 each), so "
+                     f"not one whole step fits in an epoch; the largest per-GPU batch this data runs is 1: lower the "
+                     f"batch, or use more training images"), captured.err
     assert "data:" not in captured.out  # refused from the spec's sizes, before Ray and before any data was made
     assert "epoch 1" not in captured.out and not (tmp_path / "mlflow.db").exists()  # no trial, no MLflow run
 

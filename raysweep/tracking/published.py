@@ -46,7 +46,7 @@ def log_answer(tracking_uri: str, run_id: str, answer) -> None:
     """The sweep's answer (`answer`: answer.Answer) on its parent run: `answer.*` params (the recipe, as text) and
     metrics (its numbers, the fit's exponent, a confirmation's measurements), and answer.json. MLflow's params never
     change once logged: where a later answer differs (a resumed sweep, a confirmation), the params keep the first
-    and the tag `answer.params_outdated` says so; the metrics and answer.json are always the current answer."""
+    and the tag ANSWER_PARAMS_OUTDATED says so; the metrics and answer.json are always the current answer."""
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
@@ -64,15 +64,15 @@ def log_answer(tracking_uri: str, run_id: str, answer) -> None:
 
 
 def log_confirmation(tracking_uri: str, confirmation) -> None:
-    """A `confirm` run's finding on its own parent run (`confirmation`: answer.Confirmation): metrics `predicted_*`
-    and `measured_*` (the mean over its seeds) of the value at the end, the time to the target and the seconds to
-    the predicted value, where there is one."""
+    """A `confirm` run's finding on its own parent run (`confirmation`: metrics.ConfirmationRecord): metrics
+    `predicted_*` and `measured_*` (the mean over its seeds) of the value at the end, the time to the target and the
+    seconds to the predicted value, where there is one."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     p = confirmation.predicted
-    figures = {"predicted_value": p.value, "predicted_time_to_target_s": p.time_to_target_s,
-               "predicted_seconds_to_value": p.seconds}
+    figures = {"predicted_value": p.get("value"), "predicted_time_to_target_s": p.get("time_to_target_s"),
+               "predicted_seconds_to_value": p.get("seconds")}
     for key in ("value", "time_to_target_s", "seconds_to_value"):
         figures[f"measured_{key}"] = confirmation.measured(key)
     now = int(time.time() * 1000)

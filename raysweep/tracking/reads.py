@@ -4,7 +4,15 @@ must not run again, ASHA's rung histories, the epoch seconds `check` shows, the 
 from __future__ import annotations
 
 from raysweep.errors import UserError
-from raysweep.metrics import METRIC_NAMES, TAG_BASELINE, RunRecord, SweepRecord, outcome_of_run
+from raysweep.metrics import (
+    METRIC_NAMES,
+    TAG_BASELINE,
+    ConfirmationRecord,
+    RunRecord,
+    SweepRecord,
+    outcome_of_run,
+    seconds_to_value,
+)
 from raysweep.tracking.store import _artifact_text, sqlite_path
 
 
@@ -149,10 +157,9 @@ def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = N
 
 def confirmations(client, experiment_id: str, sweep_run_id: str, metric: str, mode: str) -> list:
     """The `raysweep confirm` runs of a sweep (their parents tagged raysweep.confirms with its run id), oldest first,
-    as answer.Confirmation: each seed's run and what it measured, beside what was predicted."""
+    as metrics.ConfirmationRecord: each seed's run and what it measured, beside what was predicted."""
     import json
 
-    from raysweep.answer import Confirmation, Expected, seconds_to_value
     from raysweep.tracking.runs import CONFIRMS, PREDICTED
 
     parents = client.search_runs([experiment_id], filter_string=f"tags.`{CONFIRMS}` = '{sweep_run_id}'",
@@ -161,7 +168,7 @@ def confirmations(client, experiment_id: str, sweep_run_id: str, metric: str, mo
     for parent in parents:
         tags = parent.data.tags
         try:
-            predicted = Expected(**json.loads(tags[PREDICTED]))
+            predicted = dict(json.loads(tags[PREDICTED]))
         except (KeyError, ValueError, TypeError):
             continue  # not one this version wrote
         runs = []
@@ -176,8 +183,8 @@ def confirmations(client, experiment_id: str, sweep_run_id: str, metric: str, mo
                          "status": outcome_of_run(child.info.status, child.data.tags),
                          "epoch": int(m.get("epoch", 0)), "value": m.get(metric),
                          "time_to_target_s": m.get("time_to_target_s"), "train_seconds": m.get("train_seconds"),
-                         "seconds_to_value": (seconds_to_value(history, metric, predicted.value, mode)
-                                              if predicted.value is not None else None)})
-        out.append(Confirmation(parent.info.run_id, int(tags.get("raysweep.confirm_global_batch", 0)),
-                                float(tags.get("raysweep.confirm_peak_lr", "nan")), predicted, runs))
+                         "seconds_to_value": (seconds_to_value(history, metric, predicted["value"], mode)
+                                              if predicted.get("value") is not None else None)})
+        out.append(ConfirmationRecord(parent.info.run_id, int(tags.get("raysweep.confirm_global_batch", 0)),
+                                      float(tags.get("raysweep.confirm_peak_lr", "nan")), predicted, runs))
     return out

@@ -3,6 +3,7 @@ to Ray, inside its functions, so the rest runs (and is tested) in a plain proces
 
     entry.py          the Ray Train entry point: start-up, the epoch loop, reports and checkpoints
     run.py            one rank's run: build, restore, fit in memory (OOM downshift), epoch, checkpoint state
+    clock.py          rank 0's clock of a trial's training seconds, written off the epoch's path
     net.py            one rank's model: CNN, compile, DDP, optimizer, precision, scaler, compile time
     step.py           the training step (eager or a CUDA graph) and one epoch of it; the divergence watch
     evaluate.py       the validation pass

@@ -12,8 +12,6 @@ Ray is imported inside the functions: the rest of the worker runs (and is tested
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from raysweep.failures import INFRA, Failure
 from raysweep.metrics import EAGER_FALLBACK, report_dict
 from raysweep.protocol import Retire, Task
 from raysweep.worker import compile_cache
+from raysweep.worker.clock import ClockWriter
 from raysweep.worker.device import release_trial_memory, setup_device
 from raysweep.worker.faults import FAULTS, TrialFailure
 from raysweep.worker.reduce import agree, broadcast_object, gather_strings
@@ -270,50 +269,6 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
     except TrialFailure as failure:  # every rank raised it at the same point: end cleanly, no retry
         return trained, failure
     return trained, None
-
-class ClockWriter:
-    """Rank 0 of a trial: the training seconds each epoch without a checkpoint reached (layout.write_clock), written
-    by a thread of its own, in order, off the epoch's path: no rank waits on the store for it (a checkpoint
-    carries its own clock). A write the store refuses is `failure` from then on: the next epoch's send stops the
-    trial, which ends as `infra` and resumes from its checkpoint on another group (its own code did nothing wrong).
-    The thread is a daemon and never joined: a store that hangs holds it, not the group."""
-
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
-        self.failure: str | None = None  # the first write the store refused: "ErrorType: message"
-        self._queue: queue.Queue = queue.Queue()
-        self._done = threading.Condition()
-        self._queued = self._written = 0
-        threading.Thread(target=self._run, name="raysweep-clock", daemon=True).start()
-
-    def write(self, epoch: int, train_seconds: float) -> None:
-        """Queue the clock of `epoch`; returns at once."""
-        with self._done:
-            self._queued += 1
-        self._queue.put((epoch, train_seconds))
-
-    def flush(self, timeout_s: float) -> bool:
-        """Whether every write queued so far was done (or refused) within `timeout_s`."""
-        with self._done:
-            return self._done.wait_for(lambda: self._written >= self._queued, timeout_s)
-
-    def close(self) -> None:
-        """No more writes: the thread leaves after the queued ones."""
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                if self.failure is None:
-                    layout.write_clock(self.run_dir, *item)
-            except Exception as e:  # OSError locally, pyarrow's errors on S3: the store's, whatever they are
-                self.failure = f"{type(e).__name__}: {e}"
-                log.warning("the clock of epoch %d could not be written under %s: %s", item[0], self.run_dir,
-                            self.failure)
-            with self._done:
-                self._written += 1
-                self._done.notify_all()
-
 
 # raysweep's own checkpoints of a trial on a warm group, in the trial's folder (layout.py names them): the newest
 # layout.KEPT_CHECKPOINTS kept
