@@ -465,5 +465,11 @@ def test_report_html_from_disk_in_chromium(sweep, browser):
     links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "table#summary a")]
     assert {c.info.run_id for c in children} <= {h.rsplit("/", 1)[1] for h in links}
     assert "reference_batch_size" in body  # the resolved spec
+    # the sweep's one answer comes first: the page's first section, its recipe the best trial's
+    headings = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "h2")]
+    assert headings[0].startswith("The answer (") and headings.index("Trials") > 0, headings
+    answer = browser.find_element(By.CSS_SELECTOR, "table#answer").text
+    assert f"global batch {parent.data.params['answer.global_batch']} = per-GPU" in answer
+    assert "python -m raysweep confirm" in answer
     browser.set_window_size(1600, 4000)
     browser.save_screenshot(str(shots / "5_report_html.png"))
