@@ -5,7 +5,7 @@ its own local Ray), and writes what the pages show:
 - docs/assets/quickstart_files.txt   every file and folder the sweep wrote, with sizes
 - docs/assets/quickstart_*.png       the report's plots (raysweep/report/plots.py), as the sweep wrote them
 
-    python docs/make_assets.py          # 77 s on a 2-core x86 VM (2026-11-25)
+    python docs/make_assets.py          # 58 s on a 2-core x86 VM (2026-11-26)
 
 The folder the sweep ran in is written as `.` in the text files, so they read as a run in the repository would.
 """
