@@ -14,7 +14,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="sweep spec (YAML), e.g. search_spaces/quickstart.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key, value parsed as YAML (repeatable), e.g. --set train.epochs=2")
-    p.add_argument("--address", default=None, help="join a running Ray cluster (e.g. auto); default: start a local one")
+    p.add_argument("--address", default=None,
+                   help="join a running Ray cluster (e.g. auto); default: $RAY_ADDRESS (`ray job submit` sets "
+                        "it), else start a local one")
     p.add_argument("-v", "--verbose", action="store_true", help="show Ray's worker and controller logs")
 
 
@@ -174,6 +176,10 @@ def cmd_check(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.address, args.verbose = getattr(args, "address", None), getattr(args, "verbose", False)  # report has neither
+    if hasattr(args, "address") and not args.address and os.environ.get("RAY_ADDRESS"):
+        # Ray's own variable, which `ray job submit` sets for its entry point (and ray.init() honours): the
+        # cluster to join, with the checks a cluster gets (nodes.check_cluster), never a new local one
+        args.address = os.environ["RAY_ADDRESS"]
     if not args.address:
         # Ray reads this when first imported: explicit token auth for the local cluster raysweep starts
         # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with.

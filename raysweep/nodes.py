@@ -127,6 +127,12 @@ def check_shared(storage_root: str, key: str = "storage_path", wait_s: float = S
 
 
 def check_cluster(storage_root: str, say) -> None:
-    """Both checks, in order (the machines first: the storage check reads on every node that has joined)."""
-    wait_for_listed(say)
+    """Both checks, in order (the machines first: the storage check reads on every node that has joined), then one
+    line of what was found."""
+    import ray
+
+    missing = wait_for_listed(say)
     check_shared(storage_root)
+    alive = len([n for n in ray.nodes() if n["Alive"]])
+    listed = f"; {len(missing)} listed machine(s) not up" if missing else ""
+    say(f"{alive} node{'s' if alive != 1 else ''} up{listed}; storage_path {storage_root} is seen by every node")

@@ -148,7 +148,8 @@ def token_head():
            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}",
            f"--dashboard-agent-listen-port={_free_port()}",
-           f"--temp-dir={root / 'ray'}", "--num-cpus=1", "--object-store-memory=100000000"]
+           f"--temp-dir={root / 'ray'}", "--num-cpus=1", "--object-store-memory=100000000",
+           '--resources={"trial_driver": 4}']  # cluster.yaml's head holds the trial drivers
     # cluster.yaml's head: `export RAY_AUTH_MODE=token; ray start --head ...`, the token in ~/.ray/auth_token;
     # no drain on SIGTERM (up to 30 s otherwise)
     env = _scrubbed_env(home, RAY_AUTH_MODE="token", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
@@ -232,3 +233,30 @@ def test_the_dashboard_and_its_job_api_refuse_requests_without_the_token(token_h
     for path in ("/api/version", "/api/jobs/"):
         url = token_head.dashboard + path
         assert (_status(url, None), _status(url, "0" * 64), _status(url, token_head.token)) == (401, 403, 200), path
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_sweep_submitted_with_ray_job_submit_runs_end_to_end_with_the_cluster_checks(token_head):
+    """`ray job submit` is how Ray's docs run work on a cluster: its entry point runs on the head with RAY_ADDRESS
+    set and no --address. raysweep joins that cluster (it passed `resources=` to ray.init there, which Ray refuses
+    with a ValueError), runs the node and storage checks, and the sweep ends as it would from a shell."""
+    from mlflow.tracking import MlflowClient
+
+    root = token_head.root / "job"
+    root.mkdir()
+    spec = write_spec(root, tiny_spec(root, scaling={"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1},
+                                      train={"epochs": 2, "reference_batch_size": 64},
+                                      tune={"num_samples": 1, "asha": {"grace_period": 1}}))
+    env = _scrubbed_env(token_head.home, RAY_AUTH_MODE="token")  # a node of cluster.yaml: token mode, its token
+    job = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address",
+                          token_head.dashboard, "--", sys.executable, "-m", "raysweep", "tune", str(spec)],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0 and "succeeded" in out, out[-4000:]
+    assert "cluster: 1 node up" in out and f"storage_path {root / 'results'} is seen by every node" in out, out[-4000:]
+    assert "answer (ran): global batch 16 = per-GPU 16 × 1 workers" in out
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("t").experiment_id])
+                 if r.data.tags.get("raysweep.kind") == "tune"]
+    assert parent.info.status == "FINISHED"
