@@ -25,8 +25,9 @@ MARKER = ".raysweep-shared-check"
 
 
 def listed_ips(path: str = BOOTSTRAP_CONFIG) -> list[str]:
-    """The machines a `ray up` of `provider: local` lists (head_ip, then worker_ips), read from the head's copy of
-    the cluster file; [] where there is none (a `ray start` by hand, a cloud provider that scales on demand)."""
+    """The machines a `ray up` of `provider: local` lists (head_ip, then worker_ips: addresses or host names, as the
+    user wrote them), read from the head's copy of the cluster file; [] where there is none (a `ray start` by hand,
+    a cloud provider that scales on demand)."""
     import yaml
 
     file = Path(path).expanduser()
@@ -38,18 +39,74 @@ def listed_ips(path: str = BOOTSTRAP_CONFIG) -> list[str]:
     return list(dict.fromkeys(ip for ip in [provider.get("head_ip"), *provider["worker_ips"]] if ip))
 
 
+def addresses_of(host: str) -> set[str]:
+    """Every address a listed machine's name or address stands for (a host name resolved; itself where it does
+    not resolve)."""
+    import socket
+
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)} | {host}
+    except OSError:
+        return {host}
+
+
+def _machine_addresses() -> dict:
+    """On one node: every address of its machine (each network card's, loopback's) and its host name."""
+    import socket
+
+    import psutil
+
+    found = {socket.gethostname()}
+    for addrs in psutil.net_if_addrs().values():
+        found |= {a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return {"addresses": sorted(found)}
+
+
+_ADDRESSES: dict[str, frozenset] = {}  # node id → every address of its machine (asked once per node)
+
+
+def _node_addresses(node: dict) -> frozenset:
+    """Every address of a live node's machine (a task pinned to it, asked once; the address Ray reports alone where
+    it does not answer in SHARED_CHECK_S)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node["NodeID"]
+    if node_id not in _ADDRESSES:
+        ask = ray.remote(num_cpus=0, max_retries=0)(_machine_addresses)
+        ref = ask.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        ready, _ = ray.wait([ref], timeout=SHARED_CHECK_S)
+        found = set(ray.get(ref)["addresses"]) if ready else set()
+        _ADDRESSES[node_id] = frozenset(found | {node["NodeManagerAddress"]})
+    return _ADDRESSES[node_id]
+
+
 def _node_ips() -> tuple[set[str], set[str]]:
-    """(the IPs of the nodes alive, those of nodes Ray has marked dead): a machine that joined and was lost stays in
-    `ray.nodes()` with Alive false."""
+    """(every address of the machines alive, the addresses Ray reports of nodes it marked dead): a machine that
+    joined and was lost stays in `ray.nodes()` with Alive false."""
     import ray
 
     nodes = ray.nodes()
-    alive = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
+    alive = set().union(*(_node_addresses(n) for n in nodes if n["Alive"]))
     return alive, {n["NodeManagerAddress"] for n in nodes if not n["Alive"]} - alive
 
 
+def _head_addresses() -> set[str]:
+    """Every address of this cluster's head: the machine its GCS runs on."""
+    import ray
+
+    host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0].strip("[]")
+    here = addresses_of(host)
+    for node in ray.nodes():
+        if node["Alive"] and (node["NodeManagerAddress"] in here or here & _node_addresses(node)):
+            return set(_node_addresses(node)) | here
+    return here
+
+
 def wait_for_listed(say, path: str = BOOTSTRAP_CONFIG, wait_s: float = JOIN_WAIT_S, poll_s: float = 2.0) -> list[str]:
-    """Wait until every machine the cluster file lists has joined, at most `wait_s`; returns the IPs not up.
+    """Wait until every machine the cluster file lists has joined, at most `wait_s`; returns the ones not up (as
+    listed). A listed machine is matched by address: its name resolved, against every address of each node's
+    machine (not only the one Ray reports). A file whose head is not this cluster's is one line, and no wait.
     `say(line)`: what it waits for (once, then every JOIN_SAY_EVERY_S) and one line naming the machines that never
     joined, or joined and were lost (Ray marked them dead: no wait for those). The sweep then goes on with what is
     up: a trial that needs more GPUs than are left is refused by the plan, and a sweep resumed after a machine was
@@ -57,12 +114,18 @@ def wait_for_listed(say, path: str = BOOTSTRAP_CONFIG, wait_s: float = JOIN_WAIT
     listed = listed_ips(path)
     if not listed:
         return []
+    names = {host: addresses_of(host) for host in listed}
+    head = _head_addresses()
+    if not names[listed[0]] & head:  # `ray up` wrote it for another head: a file left from an earlier cluster
+        say(f"{path} lists head {listed[0]}, which is not this cluster's head ({', '.join(sorted(head))}): a file "
+            f"left from another cluster; its machines are not waited for")
+        return []
     started = said = time.monotonic()
     first = True
     while True:
         alive, dead = _node_ips()
-        lost = [ip for ip in listed if ip in dead]
-        joining = [ip for ip in listed if ip not in alive and ip not in dead]
+        lost = [ip for ip in listed if names[ip] & dead and not names[ip] & alive]
+        joining = [ip for ip in listed if not names[ip] & alive and not names[ip] & dead]
         waited = time.monotonic() - started
         if not joining or waited >= wait_s:
             if lost or joining:

@@ -264,3 +264,35 @@ def test_a_machine_the_cluster_file_lists_that_never_joins_is_named_after_the_st
     assert nodes.wait_for_listed(said.append, str(bootstrap), wait_s=0) == []
     assert nodes.wait_for_listed(said.append, str(tmp_path / "none.yaml"), wait_s=0) == []
     assert said == []
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_listed_machines_are_matched_by_address_not_by_text(ray_cluster, tmp_path):
+    """A cluster file names its machines as its user wrote them: a host name, or an address Ray does not report (a
+    head with several network cards: Ray reports the one its node picked). Each cost the whole wait and was named as
+    never joined while it was up. And a cluster file left from an earlier cluster, whose head is not this one, is
+    said once and not waited for."""
+    import ray
+    import yaml
+
+    from raysweep import nodes
+
+    here = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})
+    assert "127.0.0.1" not in here  # Ray reports this machine by the address it picked, not loopback
+    bootstrap = tmp_path / "ray_bootstrap_config.yaml"
+    said = []
+    # "localhost": a host name, resolving to 127.0.0.1, an address of this machine that Ray does not report
+    bootstrap.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": "localhost",
+                                                      "worker_ips": ["127.0.0.1", here[0]]}}))
+    started = time.monotonic()
+    assert nodes.wait_for_listed(said.append, str(bootstrap), wait_s=20, poll_s=0.5) == []
+    assert time.monotonic() - started < 15 and said == [], said  # no wait: every one is this machine, up
+    # a file from another cluster: its head is no machine here
+    bootstrap.write_text(yaml.safe_dump({"provider": {"type": "local", "head_ip": "192.0.2.77",
+                                                      "worker_ips": ["192.0.2.78"]}}))  # TEST-NET: never contacted
+    started = time.monotonic()
+    assert nodes.wait_for_listed(said.append, str(bootstrap), wait_s=20, poll_s=0.5) == []
+    assert time.monotonic() - started < 15
+    assert len(said) == 1 and said[0].startswith(f"{bootstrap} lists head 192.0.2.77, which is not this cluster's "
+                                                 f"head"), said
