@@ -113,7 +113,7 @@ class MLflowEvents(Callback):
     def _put(self, write, *args) -> None:
         from raysweep.tracking import writer
 
-        writer(self.runs.parent_run_id, self.retry_s).put(lambda: write(*args))
+        writer(self.runs.parent_run_id, self.retry_s, self.runs.tracking_uri).put(lambda: write(*args))
 
     def _run_of(self, trial) -> tuple[str, dict, bool]:
         """(trial id, params, baseline): what creating the trial's run needs, should a write find it missing."""

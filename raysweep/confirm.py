@@ -82,12 +82,13 @@ def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, 
     code = sweep.run(spec, address=address, verbose=verbose, progress_every_s=progress_every_s,
                      cap_batch=cap_batch if cap_batch is not None else cap, confirming=confirming)
     uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
-    again = tracking.load_sweep(uri, config.experiment_name, record.parent_run_id)  # with this confirmation
+    again = sweep.in_store(config, lambda: tracking.load_sweep(uri, config.experiment_name, record.parent_run_id),
+                           "the sweep's read")  # with this confirmation
     mine = next((c for c in reversed(again.confirmations) if c.global_batch == r.global_batch), None)
     if mine is not None:
-        tracking.log_confirmation(uri, mine)
+        sweep.in_store(config, lambda: tracking.log_confirmation(uri, mine), "the confirmation's figures")
     report_dir = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
-    built = report.publish(again, report_dir, config.command_args)
+    built = sweep.in_store(config, lambda: report.publish(again, report_dir, config.command_args), "the report")
     console.print_confirmation(mine, answer, storage.join(report_dir, report.ANSWER_FILE))
     if built.answer is not None and built.answer.confirmed is not None and batch is None:
         console.print_answer(built.answer)

@@ -20,3 +20,15 @@ class BrokerLost(SweepFailed):
     def of(cls, cause: str) -> BrokerLost:
         return cls(f"the sweep's broker was lost ({cause}); the trials' checkpoints are kept: "
                    f"`tune --resume` continues them")
+
+
+class StoreUnavailable(SweepFailed, RuntimeError):
+    """The sweep's MLflow store did not answer for mlflow.retry_s (a server stopped, hung or gone): the sweep ends
+    with it named; the runs it could not end are ended by the next command on the store."""
+
+    @classmethod
+    def of(cls, store: str, retry_s: float, cause: BaseException) -> StoreUnavailable:
+        line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        return cls(f"the MLflow store at {store} did not answer for mlflow.retry_s ({retry_s:.0f} s): "
+                   f"{type(cause).__name__}: {line[:300]}; the trials' checkpoints are kept: `tune --resume` continues "
+                   f"them once it answers")

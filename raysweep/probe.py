@@ -163,7 +163,9 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
         with tempfile.TemporaryDirectory() as folder:
             plot = Path(folder) / "probe.png"
             probe_plot(result, plot)
-            run_id = tracking.log_probe(result, spec_yaml(config), config.experiment_name, tracking_uri, margin, plot)
+            run_id = tracking.in_store(lambda: tracking.log_probe(result, spec_yaml(config), config.experiment_name,
+                                                                 tracking_uri, margin, plot),
+                                       tracking_uri, config.mlflow.retry_s, "the probe's run")
         if noise is not None:
             from raysweep.noise import recommend
 
@@ -172,7 +174,8 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
                                           if r.fits}, noise[1])
             if advice is not None:
                 console.print_recommendation(advice)
-                tracking.log_recommendation(tracking_uri, run_id, advice)
+                tracking.in_store(lambda: tracking.log_recommendation(tracking_uri, run_id, advice), tracking_uri,
+                                  config.mlflow.retry_s, "the probe's recommendation")
         return 0 if result.largest else 1
     finally:
         if started:

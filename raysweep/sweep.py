@@ -15,10 +15,20 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from raysweep import layout, storage
-from raysweep.errors import BrokerLost, UserError
+from raysweep.errors import BrokerLost, StoreUnavailable, UserError
 from raysweep.failures import find_cause
 
 log = logging.getLogger(__name__)
+
+END_WAIT_S = 30.0  # how long a failed sweep waits for the store to end its runs (the next command ends the rest)
+
+
+def in_store(config, call, what: str, wait_s: float | None = None):
+    """`call()`, an MLflow call of the sweep's driver, bounded by the spec's mlflow.retry_s (tracking.in_store)."""
+    from raysweep import tracking
+
+    return tracking.in_store(call, tracking.resolve_tracking_uri(config.mlflow.tracking_uri), config.mlflow.retry_s,
+                             what, wait_s)
 
 
 @dataclass(frozen=True)
@@ -66,11 +76,12 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
 
     t_start = time.monotonic()
     where = Where.of(config, single, confirming)
-    resumed = check_resume(config, where.tracking_uri, where.experiment_path, where.name) if resume else None
+    resumed = in_store(config, lambda: check_resume(config, where.tracking_uri, where.experiment_path, where.name),
+                       "the resume's checks") if resume else None
     check_address(address)
     # before Ray: a batch the data cannot run is refused here
     check_batches(config, single or confirming is not None, cap_batch)
-    tracking.reconcile_orphans(where.tracking_uri, keep=resumed)
+    in_store(config, lambda: tracking.reconcile_orphans(where.tracking_uri, keep=resumed), "the orphans' search")
     started_ray = connect(address, config.scaling.worker_start_timeout_s, verbose)
     sweep = Sweep(config, where, single, confirming)
     try:
@@ -153,18 +164,19 @@ class Sweep:
 
         config, where = self.config, self.where
         if resumed:
-            taken = take_over(where.tracking_uri, resumed, where.experiment_path, self.num_samples)
+            taken = in_store(config, lambda: take_over(where.tracking_uri, resumed, where.experiment_path,
+                                                       self.num_samples), "the resume's take-over")
             console.print_resumed(taken.summary)
             self.context = dataclasses.replace(self.context, settled=taken.settled)
             self.experiment_id, self.parent_run_id = taken.experiment_id, resumed
             return
         kind = "confirm" if self.confirming else "train" if self.single else "tune"
-        self.experiment_id, self.parent_run_id = tracking.open_sweep(
+        self.experiment_id, self.parent_run_id = in_store(config, lambda: tracking.open_sweep(
             where.tracking_uri, config.experiment_name, run_name=f"{where.name} {datetime.now():%Y-%m-%d %H:%M:%S}",
             tags={"raysweep.kind": kind, "raysweep.storage": str(where.experiment_path),
                   "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode,
                   **tracking.target_tags(config.tune.target), **tracking.confirm_tags(self.confirming)},
-            spec_text=spec_yaml(config), params=self.data_params)
+            spec_text=spec_yaml(config), params=self.data_params), "the sweep's parent run")
 
     def fit(self, resume: bool, progress_every_s: float):
         """Tune's run of the trials, with the driver's callbacks; every write in the store when it returns."""
@@ -175,10 +187,11 @@ class Sweep:
         show_progress(self.where.experiment_path, self.progress)  # a restored sweep's callbacks print here too
         try:
             results = _tuner(self, resume).fit()
-        except Exception as e:  # Tune may wrap what a callback raised: the broker lost is the cause to show
-            lost = find_cause(e, BrokerLost)
-            if lost is not None and lost is not e:
-                raise lost from e
+        except Exception as e:  # Tune may wrap what a callback raised: the broker or the store lost is the cause
+            for cause in (BrokerLost, StoreUnavailable):
+                lost = find_cause(e, cause)
+                if lost is not None and lost is not e:
+                    raise lost from e
             raise
         tracking.flush_writes(self.parent_run_id)  # the trials' runs whole before anything reads or ends them
         lost = slots.broker_lost(self.where.experiment_path, wait_s=1.0)  # trials may have ended with it unseen
@@ -190,7 +203,8 @@ class Sweep:
         """Ctrl-C: mark the runs KILLED + interrupted (`tune --resume` continues them), then say how to resume."""
         from raysweep import tracking
 
-        tracking.end_sweep(self.where.tracking_uri, self.parent_run_id, "KILLED")
+        in_store(self.config, lambda: tracking.end_sweep(self.where.tracking_uri, self.parent_run_id, "KILLED"),
+                 "the sweep's end")
         self.ended = True
         raise KeyboardInterrupt
 
@@ -202,8 +216,9 @@ class Sweep:
 
         self.wall_s = wall_s
         self.busy = busy_share(ray.get(self.broker.state.remote())["busy_s"], wall_s, self.plan.trials_at_once)
-        tracking.log_sweep_figures(self.where.tracking_uri, self.parent_run_id,
-                                   {"busy_share": self.busy, "sweep_wall_s": wall_s})
+        in_store(self.config, lambda: tracking.log_sweep_figures(
+            self.where.tracking_uri, self.parent_run_id, {"busy_share": self.busy, "sweep_wall_s": wall_s}),
+            "the sweep's figures")
 
     def finish(self) -> int:
         """From the store alone (tracking.load_sweep, exactly as `raysweep report` reads it): the best trial, the
@@ -212,7 +227,8 @@ class Sweep:
         from raysweep.metrics import WORKER_PARAMS
 
         config, where = self.config, self.where
-        record = tracking.load_sweep(where.tracking_uri, config.experiment_name, self.parent_run_id)
+        record = in_store(config, lambda: tracking.load_sweep(where.tracking_uri, config.experiment_name,
+                                                              self.parent_run_id), "the sweep's read")
         ranked = report.ranked(record)
         best = None
         if ranked:
@@ -221,9 +237,10 @@ class Sweep:
                     "time_to_target_s": top.last("time_to_target_s"),
                     "params": {k: v for k, v in top.params.items() if k not in WORKER_PARAMS}}
         report_dir = storage.join(where.experiment_path, layout.REPORT)
-        built = report.publish(record, report_dir, config.command_args) if self.searched else None
-        tracking.close_sweep(where.tracking_uri, self.parent_run_id, best, record.metric,
-                             "FINISHED" if ranked else "FAILED")
+        built = in_store(config, lambda: report.publish(record, report_dir, config.command_args),
+                         "the report") if self.searched else None
+        in_store(config, lambda: tracking.close_sweep(where.tracking_uri, self.parent_run_id, best, record.metric,
+                                                      "FINISHED" if ranked else "FAILED"), "the sweep's end")
         self.ended = True
         if self.single:
             top = ranked[0] if ranked else None
@@ -255,11 +272,13 @@ class Sweep:
             tracking.flush_writes(self.parent_run_id)  # what the trials reported, then their ending
         except Exception as mlflow_error:
             log.error("MLflow writes of run %s: %s", self.parent_run_id, mlflow_error)
-        try:
-            tracking.end_sweep(self.where.tracking_uri, self.parent_run_id, "KILLED" if interrupted else "FAILED",
-                               error=None if interrupted else _cause(e))
+        try:  # bounded: a store that stopped answering must not hold the sweep's end (the next command ends them)
+            in_store(self.config, lambda: tracking.end_sweep(
+                self.where.tracking_uri, self.parent_run_id, "KILLED" if interrupted else "FAILED",
+                error=None if interrupted else _cause(e)), "the sweep's end", END_WAIT_S)
         except Exception as mlflow_error:
-            log.error("could not end MLflow run %s: %s", self.parent_run_id, mlflow_error)
+            log.error("could not end MLflow run %s (the next raysweep command on the store ends it): %s",
+                      self.parent_run_id, mlflow_error)
 
     def close(self, started_ray: bool) -> None:
         """The broker and its slots gone; Ray stopped where this driver started it."""

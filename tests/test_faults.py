@@ -4,6 +4,7 @@ pruned). Real Ray (the session cluster), real MLflow on SQLite, real processes k
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -510,7 +511,7 @@ def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_ml
         elapsed = time.monotonic() - started
         assert raised and "did not answer a write in" in str(raised[0].__cause__), raised
         assert elapsed < 30, elapsed
-        with pytest.raises(RuntimeError, match="MLflow write failed"):  # the writer stays stopped: no write past it
+        with pytest.raises(RuntimeError, match="did not answer for mlflow.retry_s"):  # stopped: no write past it
             writer.put(lambda: None)
     finally:
         os.killpg(server.pid, signal.SIGCONT)
@@ -592,6 +593,65 @@ def test_a_tracking_server_killed_and_back_a_minute_later_costs_the_sweep_nothin
             assert [m.step for m in reader.get_metric_history(run.info.run_id, name)] == [1, 2, 3, 4], name
         # the slot waited for the store (mlflow.retry_s), it did not give the attempt up and start again
         assert "raysweep.infra_retries" not in run.data.tags
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_a_tracking_server_that_hangs_mid_sweep_ends_it_within_retry_s_and_a_minute(tmp_path):
+    """The server SIGSTOPped once the trial's first epoch is in the store (MLflow's own HTTP timeouts and retries
+    at their defaults: each call blocks for minutes). The writer gave up at mlflow.retry_s, then the driver sat
+    in the sweep's end (`end_sweep` → `get_run`), for good. Now every MLflow call of the driver has a deadline: the
+    sweep ends within retry_s plus a minute, exit 1, one line naming the store; once the server answers again, the
+    next command on the store (`report`) ends the runs the driver could not."""
+    from mlflow.tracking import MlflowClient
+
+    from test_resilience import _kill_tree, _start_driver, _wait_for
+
+    retry_s = 20
+    port, folder = _free_port(), tmp_path / "server"
+    folder.mkdir()
+    log = open(folder / "server.log", "ab")
+    server = _serve(folder, port, log)
+    uri = f"http://127.0.0.1:{port}"
+    spec = write_spec(tmp_path, tiny_spec(
+        tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
+        train={"epochs": 6, "reference_batch_size": 64}, tune={"num_samples": 1, "asha": {"grace_period": 6}},
+        mlflow={"tracking_uri": uri, "retry_s": retry_s}))
+    reader = MlflowClient(f"sqlite:///{folder / 'store.db'}")  # the test reads the database, not the server
+
+    def first_epoch_stored():
+        found = reader.get_experiment_by_name("t")
+        runs = [] if found is None else [r for r in reader.search_runs([found.experiment_id])
+                                         if "mlflow.parentRunId" in r.data.tags]
+        return any(reader.get_metric_history(r.info.run_id, "val_loss") for r in runs)
+
+    driver = _start_driver(spec, tmp_path / "driver.log")
+    try:
+        _wait_for(first_epoch_stored, 240, "the trial's first epoch in the store")
+        os.killpg(server.pid, signal.SIGSTOP)
+        hung = time.monotonic()
+        try:
+            code = driver.wait(timeout=retry_s + 60 + 30)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - hung
+        out = (tmp_path / "driver.log").read_text()
+        assert code == 1, f"the driver {'exited ' + str(code) if code is not None else 'still runs'} {took:.0f} s " \
+                          f"after the store hung:\n{out[-3000:]}"
+        assert took < retry_s + 60, took
+        last = out.strip().splitlines()[-1]
+        assert last.startswith("raysweep: failed: the MLflow store at http://127.0.0.1:") and "retry_s" in last, last
+    finally:
+        if driver.poll() is None:
+            _kill_tree(driver, signal.SIGKILL)
+        os.killpg(server.pid, signal.SIGCONT)
+    try:
+        assert main(["report", str(spec)]) == 0  # the store answers again: it ends what the driver could not
+        runs = reader.search_runs([reader.get_experiment_by_name("t").experiment_id])
+        assert runs and all(r.info.status != "RUNNING" for r in runs), [(r.info.run_name, r.info.status) for r in runs]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
 
 
 def _sweep_seconds(log: str) -> float:

@@ -35,11 +35,14 @@ class Heartbeat:
     def _run(self):
         from mlflow.tracking import MlflowClient
 
+        from raysweep.tracking.store import bounded
+
         client = MlflowClient(self.tracking_uri)
         while not self.done.wait(self.every_s):
-            try:
-                client.set_tag(self.run_id, "raysweep.heartbeat", repr(time.time()))
-            except Exception as e:  # a busy store: the next beat tries again
+            try:  # each beat waited for at most a beat's time (store.bounded): a store that hangs holds no thread
+                bounded(lambda: client.set_tag(self.run_id, "raysweep.heartbeat", repr(time.time())), self.every_s,
+                        "the heartbeat")
+            except Exception as e:  # a busy or silent store: the next beat tries again
                 log.warning("heartbeat of run %s not written: %s", self.run_id, e)
 
 

@@ -71,3 +71,45 @@ def runs_link(tracking_uri: str, experiment_id: str, parent_run_id: str | None =
     if metric:
         link += "&orderByKey=" + quote(f"metrics.`{metric}`", safe="") + f"&orderByAsc={str(mode == 'min').lower()}"
     return command, link
+
+
+class StoreTimeout(TimeoutError):
+    """An MLflow call still waiting on the store at its deadline (`bounded`)."""
+
+
+def bounded(call, wait_s: float, what: str):
+    """`call()`, waited for at most `wait_s`: on a daemon thread, so that a call blocked on a store that stopped
+    answering (one HTTP call blocks inside MLflow's own retries: MLFLOW_HTTP_REQUEST_TIMEOUT ×
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES, many minutes) holds neither the driver nor its exit past the deadline; it is
+    left to finish or fail in the background. Returns what `call` returns, raises what it raised, or StoreTimeout
+    naming `what`."""
+    import threading
+
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append((True, call()))
+        except BaseException as e:  # handed to the caller's thread
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=run, name=f"mlflow {what}", daemon=True)
+    thread.start()
+    thread.join(max(wait_s, 0.0))
+    if not outcome:
+        raise StoreTimeout(f"the MLflow store did not answer {what} in {max(wait_s, 0.0):.0f} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def in_store(call, tracking_uri: str, retry_s: float, what: str, wait_s: float | None = None):
+    """`call()`, an MLflow call of a driver, waited for at most `wait_s` (default `retry_s`: mlflow.retry_s): a store
+    that stops answering ends the command with it named (errors.StoreUnavailable), never holds it (`bounded`)."""
+    from raysweep.errors import StoreUnavailable
+
+    try:
+        return bounded(call, retry_s if wait_s is None else wait_s, what)
+    except StoreTimeout as e:
+        raise StoreUnavailable.of(tracking_uri, retry_s, e) from e

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
+from raysweep.errors import StoreUnavailable
+from raysweep.tracking.store import StoreTimeout, bounded
+
 log = logging.getLogger(__name__)
 
 
@@ -23,11 +26,11 @@ class Writer:
     next `put` or `flush`, so a store that stays down ends the sweep with its cause. `flush` waits for everything
     put so far, and ends: at most `retry_s` for a write in progress, then the dropped ones go at once."""
 
-    def __init__(self, name: str, retry_s: float = 300.0):
+    def __init__(self, name: str, retry_s: float = 300.0, store: str = "the tracking URI"):
         import queue
         import threading
 
-        self.name, self.error, self.retry_s = name, None, retry_s
+        self.name, self.error, self.retry_s, self.store = name, None, retry_s, store
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"mlflow-writer {name}", daemon=True)
         self.thread.start()
@@ -51,8 +54,9 @@ class Writer:
         self._raise()
 
     def _raise(self) -> None:
+        """The store's failure, once the writer gave up (errors.StoreUnavailable: the sweep ends with it named)."""
         if self.error is not None:
-            raise RuntimeError(f"MLflow write failed: {type(self.error).__name__}: {self.error}") from self.error
+            raise StoreUnavailable.of(self.store, self.retry_s, self.error) from self.error
 
     def _run(self) -> None:
         while True:
@@ -91,39 +95,19 @@ ATTEMPT_FLOOR_S = 2.0  # the least an attempt is waited for (retry_s 0: one atte
 FLUSH_SLACK_S = 5.0  # what flush allows beyond retry_s for each queued write's bookkeeping (never a store call)
 
 
-class StoreTimeout(TimeoutError):
-    """A write's attempt that was still waiting on the store at the write's deadline."""
-
-
 def _attempt(write, wait_s: float, name: str) -> None:
-    """One attempt at `write`, waited for at most `wait_s` (the write's deadline): on a daemon thread, so that a
-    call blocked on a silent server cannot hold the writer (or the driver's exit) past it."""
-    import threading
-
-    outcome: list = []
-
-    def run():
-        try:
-            write()
-            outcome.append(None)
-        except BaseException as e:  # handed to the writer's thread
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, name=f"mlflow-write {name}", daemon=True)
-    thread.start()
-    thread.join(max(wait_s, 0.0))
-    if not outcome:
-        raise StoreTimeout(f"the MLflow store did not answer a write in {max(wait_s, 0.0):.0f} s")
-    if outcome[0] is not None:
-        raise outcome[0]
+    """One attempt at `write`, waited for at most `wait_s` (the write's deadline): store.bounded, so that a call
+    blocked on a silent server cannot hold the writer (or the driver's exit) past it."""
+    bounded(write, wait_s, "a write")
 
 _WRITERS: dict[str, Writer] = {}  # this driver's writers, by parent run (the callback Tune restores finds its own)
 
 
-def writer(parent_run_id: str, retry_s: float = 300.0) -> Writer:
-    """The sweep's MLflow writer (one per parent run in this process), started on first use."""
+def writer(parent_run_id: str, retry_s: float = 300.0, store: str = "the tracking URI") -> Writer:
+    """The sweep's MLflow writer (one per parent run in this process), started on first use. `store`: the tracking
+    URI, for the line that names it when it stops answering."""
     if parent_run_id not in _WRITERS:
-        _WRITERS[parent_run_id] = Writer(parent_run_id, retry_s)
+        _WRITERS[parent_run_id] = Writer(parent_run_id, retry_s, store)
     return _WRITERS[parent_run_id]
 
 
