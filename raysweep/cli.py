@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
     p.set_defaults(func=cmd_confirm)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
-    _common(p)
+    p.add_argument("spec", help="sweep spec (YAML), e.g. search_spaces/quickstart.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec key, as for tune")  # no --address, no -v: check starts no Ray
     p.set_defaults(func=cmd_check)
     return parser
 

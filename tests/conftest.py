@@ -41,6 +41,17 @@ import yaml  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_START_TIMEOUT_S = 15  # small, so the "cannot start" test waits 2 × 15 s, not minutes
 
+# `pytest -m quick` (CONTRIBUTING.md): every test that needs no Ray cluster, no machines made here and no GPU, but the
+# benchmarks' own scripts (each a minute or more in --quick mode): the config, data, search, report and rank logic
+NOT_QUICK_MARKERS = ("ray", "hosts", "gpu")
+NOT_QUICK_MODULES = ("test_benchmarks.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name not in NOT_QUICK_MODULES and not any(item.get_closest_marker(m) for m in NOT_QUICK_MARKERS):
+            item.add_marker(pytest.mark.quick)
+
 
 @contextmanager
 def s3_api(ip: str):
