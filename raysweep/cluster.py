@@ -26,9 +26,15 @@ TRIAL_DRIVER = "trial_driver"  # custom resource a trial's driver holds, so driv
 LOCAL_TRIAL_DRIVERS = 64
 
 
+FORWARDED_ENV = ("NCCL_", "TORCH_NCCL_")  # the driver's settings of these go to every worker (ray_env)
+
+
 def ray_env(worker_start_timeout_s: float) -> dict[str, str]:
-    """Environment for every Ray process of the job (workers inherit the raylet's, not the driver's)."""
+    """Environment for every Ray process of the job (workers inherit the raylet's, not the driver's: on a cluster
+    `ray start` set it). The driver's NCCL_* and TORCH_NCCL_* go too, so that `NCCL_DEBUG=INFO python -m raysweep …`
+    reaches the ranks that run NCCL (docs/troubleshooting.md, NCCL)."""
     return {
+        **{k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)},
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(int(math.ceil(worker_start_timeout_s))),
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         # the controller collects workers' reports this often; a worker's report() blocks while its

@@ -260,3 +260,31 @@ def test_a_sweep_submitted_with_ray_job_submit_runs_end_to_end_with_the_cluster_
     (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("t").experiment_id])
                  if r.data.tags.get("raysweep.kind") == "tune"]
     assert parent.info.status == "FINISHED"
+
+
+NCCL_DRIVER = r"""
+import json, os, sys
+from raysweep.cluster import connect
+from raysweep.config import load_config
+
+connect(sys.argv[1], load_config(sys.argv[2]).scaling.worker_start_timeout_s, verbose=False)
+import ray
+names = ("NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_UNSET")
+print(json.dumps(ray.get(ray.remote(lambda: {k: os.environ.get(k) for k in names}).remote(), timeout=60)))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_drivers_nccl_settings_reach_the_workers_of_a_running_cluster(token_head):
+    """A worker inherits its raylet's environment, which `ray start` (cluster.yaml) set: `NCCL_DEBUG=INFO python -m
+    raysweep train … --address auto` changed nothing on the ranks that run NCCL. The driver's NCCL_* and TORCH_NCCL_*
+    now go with the job's runtime environment (cluster.ray_env)."""
+    spec = write_spec(token_head.root, tiny_spec(token_head.root), name="nccl.yaml")
+    env = _scrubbed_env(token_head.home, RAY_AUTH_MODE="token", NCCL_DEBUG="INFO", NCCL_SOCKET_IFNAME="eth1",
+                        TORCH_NCCL_BLOCKING_WAIT="1")
+    proc = subprocess.run([sys.executable, "-c", NCCL_DRIVER, token_head.address, str(spec)], env=env,
+                          cwd=token_head.root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth1", "TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_UNSET": None}
