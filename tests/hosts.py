@@ -4,8 +4,11 @@ Each host is a network namespace joined to a bridge by a veth pair (iproute2), w
 (`unshare --pid --fork --kill-child --mount-proc`: `ray stop` on one host cannot see another's processes) and its
 own mount namespace: its own `/tmp`, `/dev/shm` and home (`/root`), so Ray's session folder, its object store and a
 `~/raysweep` are the host's alone, as on a separate machine. The Python interpreter's folder is bound into that
-home at its usual path (a host needs an interpreter as a real machine does). The rest of the file system is
-shared, as a machine's system files would be identical; `shared` is bound at the same path in every host (what an
+home at its usual path and put on its PATH (a host needs an interpreter as a real machine does), unless the hosts
+are `stock`: then `python3` is the distribution's own (Debian's /usr/bin/python3, externally managed) and what a
+stock machine lacks is hidden (`hide`: an empty folder bound over each path, e.g. pip's machine-wide configuration or
+`ensurepip`, which python3-venv brings). The rest of the file system is shared, as a machine's system files would be
+identical; `shared` is bound at the same path in every host (what an
 NFS mount looks like to a process). The host's PID 1 is `sshd`, reached from this machine (the launcher's side of
 the bridge) exactly as `ray up` reaches real machines. Killing PID 1 ends every process on the host at once: a
 power cut.
@@ -95,9 +98,11 @@ class Host:
 class Hosts:
     """`n` hosts on one bridge: hosts[i].ip, reached over SSH as root with `key` (the launcher's own key)."""
 
-    def __init__(self, base: Path, n: int, shared: Path | None = None, bashrc: str = ""):
+    def __init__(self, base: Path, n: int, shared: Path | None = None, bashrc: str = "", stock: bool = False,
+                 hide: dict[int, list[str]] | None = None):
         tag = f"{os.getpid() % 10000}"
         self.base, self.tag, self.shared, self.bashrc = base, tag, shared, bashrc
+        self.stock, self.hide = stock, hide or {}
         third = 100 + os.getpid() % 150
         self.bridge, self.gateway, self.prefix = f"rsb{tag}", f"10.{third}.0.1", f"10.{third}.0"
         self.key = base / "launcher_key"
@@ -155,17 +160,22 @@ class Hosts:
             "UsePAM no", "AuthorizedKeysFile /root/.ssh/authorized_keys", "MaxSessions 64",
             "MaxStartups 64:30:128", "AllowTcpForwarding yes", "Subsystem sftp internal-sftp", ""]))
         bindir = str(Path(sys.executable).parent)
-        (home / ".bashrc").write_text(f"export PATH={bindir}:$PATH\n{self.bashrc}")
+        path = "" if self.stock else f"export PATH={bindir}:$PATH\n"
+        (home / ".bashrc").write_text(f"{path}{self.bashrc}")
         (home / ".profile").write_text("")
         # the interpreter's folder, where it lives under this machine's home, is bound at the same place in the
         # host's home (a venv's python is a link into it)
         binds = []
         real_home = Path.home().resolve()
-        for folder in {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}:
+        for folder in set() if self.stock else {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}:
             if folder.is_relative_to(real_home):
                 top = real_home / folder.relative_to(real_home).parts[0]
                 (home / top.name).mkdir(exist_ok=True)
                 binds.append(f"mount --rbind {top} {home / top.name}")
+        empty = host.root / "empty"
+        empty.mkdir(exist_ok=True)
+        binds += [f"mount --bind {empty} {hidden}" for hidden in self.hide.get(int(host.name[1:]), [])
+                  if Path(hidden).is_dir()]
         if self.shared is not None:
             binds.append(f"mount --bind {self.shared} {SHARED_MOUNT}")
         script = " && ".join([

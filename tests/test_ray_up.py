@@ -1,8 +1,11 @@
 """`ray up cluster.yaml` on machines of our own (tests/hosts.py: a head and two workers, each its own network, PIDs,
 /tmp, /dev/shm and home, reached over SSH), driven as a user drives it from a launcher with its own home, token and
-key. The repository's cluster.yaml is used with only its placeholders and its setup commands replaced (this
-machine reaches no CUDA wheel index; the hosts already have the pinned Ray and torch, and import the synced copy
-of the project, ~/raysweep).
+key. The repository's cluster.yaml is used with only its placeholders and its CUDA wheel index replaced: the hosts
+are stock (their `python3` is Debian's own, externally managed, with nothing installed; one of them lacks ensurepip,
+as a stock Ubuntu without python3-venv does), and the file's own setup commands make ~/raysweep-env and install
+everything into it. The hosts reach no index but the launcher's (tests/wheel_index.py: the wheels this machine's pip
+resolves for the same requirements, torch's CPU build standing in for the CUDA one), named in each host's pip
+configuration as a mirror would be; that configuration also skips byte-compiling (time on 2 shared cores).
 
 In order: every listed machine joins (autoscaler v1, cluster.yaml); a client without the token is refused; a sweep
 with the spec's local storage_path is refused; the README's `tune` through `ray exec` on a folder every host sees
@@ -27,11 +30,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import yaml
 from hosts import SHARED_MOUNT, Hosts, missing_tools
+from wheel_index import Index, wheelhouse
 
 from conftest import AWS_TEST_ENV, ROOT, s3_api
 
@@ -39,6 +44,12 @@ pytestmark = pytest.mark.hosts
 
 BIN = Path(sys.executable).parent
 PLACEHOLDERS = {"provider": ("head_ip", "worker_ips"), "auth": ("ssh_user", "ssh_private_key"), "setup_commands": ()}
+TORCH_INDEX = re.compile(r"--index-url (https://download\.pytorch\.org/\S+)")
+STOCK_PYTHON = "/usr/bin/python3"  # Debian's own: the distribution's interpreter, marked externally managed
+ENV = "~/raysweep-env"  # where cluster.yaml's setup commands install
+# what a stock machine lacks: pip's machine-wide configuration of this one (on every host), and on the last host
+# ensurepip (Debian and Ubuntu ship it in python3-venv, which a stock Ubuntu image does not have)
+NO_PIP_CONFIG, NO_ENSUREPIP = "/etc/xdg/pip", f"/usr/lib/python{sys.version_info[0]}.{sys.version_info[1]}/ensurepip"
 # Ray's daemons, agents, workers and `ray start --block` (not `mlflow ui`)
 RAY_PROCESS = re.compile(r"/ray/|ray::|raylet|gcs_server|bin/ray ")
 # the quickstart made small: 3 trials of 2 epochs on 256 images, 3 hosts × 2 CPUs → 3 at once, one per machine
@@ -73,16 +84,14 @@ class Launcher:
                                     env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def users_cluster_file(hosts: Hosts, key: Path) -> dict:
-    """The repository's cluster.yaml with only its placeholders and setup commands replaced."""
+def users_cluster_file(hosts: Hosts, key: Path, index_url: str) -> dict:
+    """The repository's cluster.yaml with only its placeholders and its CUDA wheel index replaced."""
     raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     ours = copy.deepcopy(raw)
     ours["provider"].update(head_ip=hosts.hosts[0].ip, worker_ips=[h.ip for h in hosts.hosts[1:]])
     ours["auth"].update(ssh_user="root", ssh_private_key=str(key))
-    # the hosts have the pinned Ray and torch; what they must show is that they run the synced project
-    ours["setup_commands"] = [
-        "python3 -c 'import os, ray, torch, raysweep; assert ray.__version__.startswith(\"2.60.\"), ray.__version__; "
-        "assert raysweep.__file__.startswith(os.path.expanduser(\"~/raysweep/\")), raysweep.__file__'"]
+    assert sum(bool(TORCH_INDEX.search(c)) for c in raw["setup_commands"]) == 1, raw["setup_commands"]
+    ours["setup_commands"] = [TORCH_INDEX.sub(f"--index-url {index_url}", c) for c in raw["setup_commands"]]
     for section, keys in PLACEHOLDERS.items():  # every other key is the file's
         if keys:
             assert {k: v for k, v in ours[section].items() if k not in keys} == \
@@ -103,9 +112,21 @@ def cluster(tmp_path_factory):
     shared = base / "shared"
     shared.mkdir()
     # the dummy credentials of the S3 API below (tests/conftest.py), as a user's machines hold theirs
-    bashrc = (f"export PYTHONPATH=$HOME/raysweep RAY_USAGE_STATS_ENABLED=0 "
+    bashrc = (f"export RAY_USAGE_STATS_ENABLED=0 "
               f"{' '.join(f'{k}={v}' for k, v in AWS_TEST_ENV.items())}\n")
-    with Hosts(base, 3, shared=shared, bashrc=bashrc) as hosts:
+    # the wheels of what cluster.yaml installs, for Debian's python3 (this interpreter's version and platform)
+    assert Path(STOCK_PYTHON).resolve().name == f"python{sys.version_info[0]}.{sys.version_info[1]}", STOCK_PYTHON
+    wheels = base.parent / "wheels"
+    wheelhouse(wheels, [f"torch=={version('torch')}", "ray[default,train,tune]==2.60.*", str(ROOT), "pip",
+                        "setuptools>=68"])
+    hide = {i: [NO_PIP_CONFIG] for i in range(3)}
+    hide[2].append(NO_ENSUREPIP)
+    with Hosts(base, 3, shared=shared, bashrc=bashrc, stock=True, hide=hide) as hosts:
+        index = Index(wheels, hosts.gateway, exclude=("raysweep",))
+        for host in hosts.hosts:  # the machines' pip configuration names their mirror (plain HTTP: trusted by name)
+            (host.home / ".config" / "pip").mkdir(parents=True)
+            (host.home / ".config" / "pip" / "pip.conf").write_text(
+                f"[global]\nindex-url = {index.url}\ntrusted-host = {hosts.gateway}\n[install]\nno-compile = true\n")
         home = base / "launcher"
         (home / "tmp").mkdir(parents=True)
         (home / ".ssh").mkdir(mode=0o700)
@@ -114,7 +135,7 @@ def cluster(tmp_path_factory):
         key.chmod(0o600)
         cluster_file = base / "cluster.yaml"
         # an absolute path: ssh expands `~` in -i from the passwd entry (/root here), not from $HOME
-        cluster_file.write_text(yaml.safe_dump(users_cluster_file(hosts, key)))
+        cluster_file.write_text(yaml.safe_dump(users_cluster_file(hosts, key, index.url)))
         launcher = Launcher(home, cluster_file)
         made = launcher.ray("get-auth-token", "--generate", timeout=60)  # the README's step, on the launcher
         assert (home / ".ray" / "auth_token").is_file(), made.stderr
@@ -124,6 +145,7 @@ def cluster(tmp_path_factory):
         try:
             yield launcher
         finally:
+            index.close()
             for host in hosts.hosts:  # what each host's Ray logged, for a failure's cause
                 logs = host.root / "tmp" / "ray" / "session_latest" / "logs"
                 for name in ("monitor.log", "monitor.out"):
@@ -138,13 +160,23 @@ def alive_nodes(launcher: Launcher) -> list[dict]:
     return json.loads(line.removeprefix("NODES ")) if line else []
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_ray_up_brings_up_every_listed_machine(cluster):
+    hosts = cluster.hosts
+    for host in hosts.hosts:  # stock machines: the distribution's python3, externally managed, nothing installed
+        seen = hosts.ssh(host, "command -v python3; python3 -c 'import sysconfig; print(sysconfig.get_path("
+                               "\"stdlib\"))'; python3 -c 'import ray' 2>&1 | tail -1; command -v ray || echo 'no ray'",
+                         check=False)
+        python, stdlib, no_ray, no_ray_cli = seen.stdout.split("\n")[:4]
+        assert python == STOCK_PYTHON and (Path(stdlib) / "EXTERNALLY-MANAGED").is_file(), seen.stdout
+        assert "No module named 'ray'" in no_ray and no_ray_cli == "no ray", seen.stdout
+    assert hosts.ssh(hosts.hosts[2], "python3 -c 'import ensurepip.__main__'", check=False).returncode != 0
     started = time.monotonic()
-    brought = cluster.ray("up", "-y", "--no-config-cache", str(cluster.cluster_file), timeout=420)
+    brought = cluster.ray("up", "-y", "--no-config-cache", str(cluster.cluster_file), timeout=480)
     assert brought.returncode == 0, brought.stderr[-3000:]
     listed = {h.ip for h in cluster.hosts.hosts}
-    deadline = time.monotonic() + 240  # the monitor adds a listed worker each 5 s; each needs SSH, rsync, ray start
+    # the monitor adds a listed worker each 5 s; each needs SSH, rsync, the install (both at once), ray start
+    deadline = time.monotonic() + 360
     while True:
         nodes = alive_nodes(cluster)
         joined = {n["NodeManagerAddress"] for n in nodes}
@@ -153,6 +185,16 @@ def test_ray_up_brings_up_every_listed_machine(cluster):
         assert time.monotonic() < deadline, f"joined: {sorted(joined)} of {sorted(listed)}"
         time.sleep(5)
     print(f"all {len(listed)} machines up {time.monotonic() - started:.0f} s after `ray up` began")
+    env_bin = "/root/raysweep-env/bin"
+    for host in hosts.hosts:  # every shell Ray opens (as Ray opens it: ray/autoscaler/_private/command_runner.py)
+        # finds raysweep's environment first, and the synced project in it
+        # (from /tmp: in the home folder, ~/raysweep itself would be imported as a namespace package)
+        seen = hosts.ssh(host, "bash --login -c -i 'source ~/.bashrc; command -v python ray mlflow; cd /tmp; python -c "
+                               "\"import ray, torch, raysweep; print(ray.__version__, raysweep.__file__)\"' "
+                               "2>/dev/null", check=False)
+        assert seen.stdout.split("\n")[:3] == [f"{env_bin}/python", f"{env_bin}/ray", f"{env_bin}/mlflow"], seen
+        ray_version, package = seen.stdout.split("\n")[3].split()
+        assert ray_version.startswith("2.60.") and package == "/root/raysweep/raysweep/__init__.py", seen.stdout
     head = next(n for n in nodes if n["NodeManagerAddress"] == cluster.hosts.hosts[0].ip)
     assert head["Resources"].get("trial_driver") == 8
     assert all("trial_driver" not in n["Resources"] for n in nodes if n is not head)
