@@ -17,13 +17,20 @@ No Ray, no MLflow here: the worker raises these, the driver reads them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 
 from raysweep.metrics import FAILED, FINISHED, PRUNED, TAG_ERROR, TAG_FAILURE, outcome_of_run
 
 
-class Kind(StrEnum):
-    """A failure's kind. Its value is the MLflow tag `failure` (a str: it compares equal to "oom", ...)."""
+class Kind(str, Enum):
+    """A failure's kind. Its value is the MLflow tag `failure` (a str: it compares equal to "oom", ...).
+
+    `str, Enum` rather than 3.11's StrEnum (Python 3.10 is supported); `str()` and f-strings give the value on
+    every version, as StrEnum's do.
+    """
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     OOM = "oom"
     DIVERGED = "diverged"

@@ -52,7 +52,7 @@ def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
         keep = torch.index_select(_bit_table(x.device), 0, raw.view(torch.uint8).int()).view(torch.uint8)[:n]
         keep = keep.view(torch.bool)  # the bytes are 0 or 1: a valid bool
     else:
-        byte = (256 * p).is_integer()
+        byte = (256 * p).is_integer()  # novermin: float.is_integer (vermin reads int's, 3.12)
         width = 1 if byte else 2
         raw = torch.empty((n * width + 7) // 8, dtype=torch.int64, device=x.device).random_(-(2**63), None)
         if byte:

@@ -43,7 +43,7 @@ WORKER_START_TIMEOUT_S = 15  # small, so the "cannot start" test waits 2 × 15 s
 
 # `pytest -m quick` (CONTRIBUTING.md): every test that needs no Ray cluster, no machines made here and no GPU, but the
 # benchmarks' own scripts (each a minute or more in --quick mode): the config, data, search, report and rank logic
-NOT_QUICK_MARKERS = ("ray", "hosts", "gpu")
+NOT_QUICK_MARKERS = ("ray", "hosts", "gpu", "py310")
 NOT_QUICK_MODULES = ("test_benchmarks.py",)
 
 
