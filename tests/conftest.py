@@ -31,6 +31,7 @@ try:
 except ImportError:
     pass
 
+import shutil  # noqa: E402
 import socket  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -203,3 +204,35 @@ def write_spec(tmp_path: Path, spec: dict | str, name: str = "spec.yaml") -> Pat
     path = tmp_path / name
     path.write_text(spec if isinstance(spec, str) else yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+REQUIRE_BROWSER = os.environ.get("RAYSWEEP_REQUIRE_BROWSER") == "1"
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium through Debian's chromedriver; skipped where a piece is missing, failed under .ci/run."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    missing = [what for what, found in (("the selenium package (pip install -e '.[test]')", webdriver),
+                                        ("chromium (apt-get install chromium)", binary),
+                                        ("chromedriver (apt-get install chromium-driver)", driver)) if not found]
+    if missing:
+        message = f"no real browser: {', '.join(missing)} not found"
+        if REQUIRE_BROWSER:
+            pytest.fail(f"{message}; RAYSWEEP_REQUIRE_BROWSER=1 (set by .ci/run, which installs them) makes this a "
+                        f"failure, not a skip", pytrace=False)
+        pytest.skip(message)
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+        options.add_argument(arg)
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()

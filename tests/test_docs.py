@@ -68,19 +68,71 @@ def test_reference_pages_are_what_gen_makes():
     assert not stale, f"{', '.join(stale)} differ from the schema or the parser: run `python docs/gen.py`"
 
 
-def test_site_builds_with_no_warning(tmp_path):
-    """`mkdocs build --strict`: a broken link or anchor, a page missing from the nav or a nav entry with no page, a
-    snippet that is not there, each fails the build (mkdocs.yml's validation)."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site as `mkdocs build --strict` makes it: (the build's process, its folder)."""
     missing = [name for name in ("mkdocs", "material") if importlib.util.find_spec(name) is None]
     assert not missing, f"{missing} not installed: they are in the test extras (pip install -e '.[test]')"
+    folder = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
+         "--site-dir", str(folder)],
         cwd=ROOT,  # pymdownx.snippets' base_path is relative to it
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300)
+        env={**{k: v for k, v in os.environ.items() if k != "RAYSWEEP_REPO_URL"}, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True, text=True, timeout=300)
+    return proc, folder
+
+
+def test_site_builds_with_no_warning(site):
+    """`mkdocs build --strict`: a broken link or anchor, a page missing from the nav or a nav entry with no page, a
+    snippet that is not there, each fails the build (mkdocs.yml's validation)."""
+    proc, _ = site
     problems = [line for line in proc.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
     if proc.returncode != 0:
         pytest.fail("mkdocs build --strict failed:\n" + "\n".join(problems or [proc.stderr[-5000:]]))
+
+
+def test_every_repository_file_a_page_names_is_a_link_that_opens(site):
+    """docs/hooks.py: `cluster.yaml`, `tests/test_ray_up.py`… in a page's text link to a copy shipped with the site
+    (no repo_url set), and each link lands on the file's own text."""
+    proc, folder = site
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    linked, dead = set(), []
+    for page in folder.rglob("index.html"):
+        for target in re.findall(r'href="([^"#]*src/[^"#]+\.txt)"', page.read_text()):
+            shipped = (page.parent / target).resolve()
+            source = ROOT / shipped.relative_to(folder / "src").as_posix().removesuffix(".txt")
+            if not shipped.is_file() or shipped.read_bytes() != source.read_bytes():
+                dead.append(f"{page.relative_to(folder)} → {target}")
+            linked.add(source.relative_to(ROOT).as_posix())
+    assert not dead, dead
+    assert {"cluster.yaml", "benchmarks/RESULTS.md", "tests/test_ray_up.py", "deploy/make_env.py"} <= linked, linked
+    unlinked = [f"{page.relative_to(folder)}: {name}" for page in folder.rglob("index.html") if "src" not in page.parts
+                for name in re.findall(r"<code>((?:benchmarks|tests|raysweep|deploy|search_spaces)/[\w./-]+)</code>",
+                                       re.sub(r"<a [^>]*><code>[^<]*</code></a>", "", page.read_text()))
+                if (ROOT / name).is_file() and not name.startswith("docs/")]
+    assert not unlinked, unlinked
+
+
+@pytest.mark.timeout(300)
+def test_every_page_is_readable_at_1280_px(site, browser):
+    """No code block, command or table of any page is cut off (scrolled) in a 1280 px wide window."""
+    proc, folder = site
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    browser.set_window_size(1280, 900)
+    cut = []
+    pages = sorted(p for p in folder.rglob("index.html") if "src" not in p.relative_to(folder).parts)
+    for page in pages:
+        browser.get(page.as_uri())
+        found = browser.execute_script("""
+            const out = [];
+            for (const el of document.querySelectorAll(
+                    '.md-content pre > code, .md-content .md-typeset__scrollwrap, .md-content table')) {
+                if (el.scrollWidth > el.clientWidth + 1) out.push(el.tagName + ': ' + el.innerText.slice(0, 60));
+            }
+            return out;""")
+        cut += [f"{page.parent.relative_to(folder)}: {what}" for what in found]
+    assert len(pages) >= 10 and not cut, "\n".join(cut)
 
 
 def test_readme_is_short():

@@ -336,38 +336,6 @@ def test_a_trial_logs_the_params_metrics_py_names(tmp_path):
 
 
 # .ci/run sets it: CI must run these tests, so there a missing browser fails them instead of skipping them
-REQUIRE_BROWSER = os.environ.get("RAYSWEEP_REQUIRE_BROWSER") == "1"
-
-
-@pytest.fixture
-def browser():
-    """Headless Chromium through Debian's chromedriver; skipped where a piece is missing, failed under .ci/run."""
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        webdriver = None
-    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    missing = [what for what, found in (("the selenium package (pip install -e '.[test]')", webdriver),
-                                        ("chromium (apt-get install chromium)", binary),
-                                        ("chromedriver (apt-get install chromium-driver)", driver)) if not found]
-    if missing:
-        message = f"no real browser: {', '.join(missing)} not found"
-        if REQUIRE_BROWSER:
-            pytest.fail(f"{message}; RAYSWEEP_REQUIRE_BROWSER=1 (set by .ci/run, which installs them) makes this a "
-                        f"failure, not a skip", pytrace=False)
-        pytest.skip(message)
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1000"):
-        options.add_argument(arg)
-    chrome = webdriver.Chrome(service=Service(driver), options=options)
-    try:
-        yield chrome
-    finally:
-        chrome.quit()
-
-
 def _wait_text(browser, *texts, timeout=60) -> str:
     deadline = time.monotonic() + timeout
     body = ""
