@@ -69,8 +69,8 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(tmp_path):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = [d for d in project["dependencies"] if not d.startswith("torch")]
     tests = [d for d in project["optional-dependencies"]["test"] if d.startswith(("pytest", "pytest-timeout"))]
-    installed = subprocess.run([python, "-m", "pip", "install", "-q", *deps, *tests], capture_output=True, text=True,
-                               timeout=600)
+    installed = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", *deps, *tests],
+                               capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PYTHONHOME", None)

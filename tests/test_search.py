@@ -321,8 +321,11 @@ def test_a_tpe_sweep_tells_optuna_what_asha_did_and_its_resume_continues_the_sam
     from test_resilience import _children, _kill_tree, _start_driver, _wait_for
 
     # five trials one at a time, ASHA's rungs at epochs 1 and 2; base_lr 1e-6 cannot learn, so ASHA cuts such a
-    # trial at its first rung against the baseline's (2e-3); tune.seed 1 draws it among TPE's random start-up trials
-    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 384, "val_size": 64}},
+    # trial at its first rung against the baseline's (2e-3); tune.seed 1 draws it among TPE's random start-up trials.
+    # 1,536 images: an epoch of about a second here, so that a trial past its first rung stays running with an epoch
+    # logged for a few seconds (at 384 images its whole trial took 1 s, and under CI's load the driver's Ctrl-C below
+    # missed that window on every trial: the sweep ended first)
+    spec = tiny_spec(tmp_path, data={"width": 64, "height": 24, "synthetic": {"train_size": 1536, "val_size": 64}},
                      train={"epochs": 3, "reference_batch_size": 64},
                      search={"per_gpu_batch_size": 16, "base_lr": {"choice": [2.0e-3, 1.0e-6], "default": 2.0e-3},
                              "warmup_epochs": 0, "weight_decay": {"loguniform": [1.0e-5, 1.0e-2], "default": 1.0e-4}},
@@ -338,9 +341,13 @@ def test_a_tpe_sweep_tells_optuna_what_asha_did_and_its_resume_continues_the_sam
     try:  # Ctrl-C once two trials ended and a third has run an epoch
         # the store is read only once the driver made it (two processes migrating one SQLite file fail)
         _wait_for(lambda: "] start " in (tmp_path / "run1.log").read_text(), 240, "the driver's first trial")
-        _wait_for(lambda: len(ended()) >= 2 and any(
-            r.info.status == "RUNNING" and "epoch" in r.data.metrics for r in _children(tmp_path)), 400,
-            "two trials ended and a third running")
+        deadline = time.monotonic() + 400
+        while not (len(ended()) >= 2 and any(
+                r.info.status == "RUNNING" and "epoch" in r.data.metrics for r in _children(tmp_path))):
+            assert driver.poll() is None, \
+                "the sweep ended before a third trial ran an epoch:\n" + (tmp_path / "run1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "timed out waiting for two trials ended and a third running"
+            time.sleep(0.2)
         _kill_tree(driver, signal.SIGINT)
         assert driver.wait(timeout=120) == 130
     finally:
