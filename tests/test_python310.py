@@ -72,23 +72,24 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(tmp_path):
     installed = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", *deps, *tests],
                                capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the repository on the path; its bytecode beside the test, not in the repository's __pycache__ folders
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
     env.pop("PYTHONHOME", None)
 
     compiled = subprocess.run([python, "-m", "compileall", "-q", "-d", "repo", "raysweep", "deploy", "benchmarks",
                                "tests", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**env, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")})
+                              env=env)
     assert compiled.returncode == 0, compiled.stdout[-3000:]
 
     ran = subprocess.run([python, "-m", "pytest", "-q", "-m", "quick", "-p", "no:cacheprovider",
                           *(f"tests/{t}" for t in DRIVER_TESTS)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env={**env, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")})
+                         timeout=600, env=env)
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
     assert " passed" in ran.stdout and "error" not in ran.stdout.splitlines()[-1], ran.stdout[-2000:]
 
     checked = subprocess.run([python, "-m", "raysweep", "check", "search_spaces/quickstart.yaml"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300,
-                             env={**env, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")})
+                             env=env)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
 
     made = subprocess.run([interpreter, str(ROOT / "deploy" / "make_env.py"), str(tmp_path / "node-env")],
