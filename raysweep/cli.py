@@ -15,8 +15,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec key, value parsed as YAML (repeatable), e.g. --set train.epochs=2")
     p.add_argument("--address", default=None,
-                   help="join a running Ray cluster (e.g. auto); default: $RAY_ADDRESS (`ray job submit` sets "
-                        "it), else start a local one")
+                   help="join a running Ray cluster (e.g. auto), or `local` for a cluster of this driver's own; "
+                        "default: $RAY_ADDRESS (`ray job submit` sets it), else the cluster the last `ray start` on "
+                        "this machine recorded (as ray.init() finds it), else a local one")
     p.add_argument("-v", "--verbose", action="store_true", help="show Ray's worker and controller logs")
 
 
@@ -176,12 +177,24 @@ def cmd_check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raysweep import console
+    from raysweep.cluster import recorded_address
+
     args = build_parser().parse_args(argv)
     args.address, args.verbose = getattr(args, "address", None), getattr(args, "verbose", False)  # report has neither
-    if hasattr(args, "address") and not args.address and os.environ.get("RAY_ADDRESS"):
-        # Ray's own variable, which `ray job submit` sets for its entry point (and ray.init() honours): the
-        # cluster to join, with the checks a cluster gets (nodes.check_cluster), never a new local one
-        args.address = os.environ["RAY_ADDRESS"]
+    if hasattr(args, "address") and not args.address:
+        # where Ray's own ray.init() looks, in its order: RAY_ADDRESS (`ray job submit` sets it for its entry
+        # point), then the address the last `ray start` on this machine recorded (on a cluster's head): the
+        # cluster to join, with the checks a cluster gets (nodes.check_cluster); else a local cluster of its own
+        if os.environ.get("RAY_ADDRESS"):
+            args.address = os.environ["RAY_ADDRESS"]
+        elif recorded := recorded_address():
+            args.address = recorded[0]
+            console.print_cluster(f"no --address; joining the Ray cluster at {args.address}, which the last "
+                                  f"`ray start` on this machine recorded ({recorded[1]}); --address local starts a "
+                                  f"cluster of this driver's own")
+    if args.address == "local":  # Ray's word for a new local cluster, whatever runs here already
+        args.address = None
     if not args.address:
         # Ray reads this when first imported: explicit token auth for the local cluster raysweep starts
         # silences Ray's warning and stays secure; a running cluster keeps the mode it was started with.

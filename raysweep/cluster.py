@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 from raysweep.config import SweepConfig, TrialConfig
@@ -76,12 +77,38 @@ TOKEN_FIX = ("export RAY_AUTH_MODE=token and put the cluster's token in ~/.ray/a
              "(`ray get-auth-token` on the head prints it)")
 
 
+def recorded_address() -> tuple[str, str] | None:
+    """The cluster a bare `ray.init()` joins on this machine: the address the last `ray start` here wrote to Ray's
+    address file (<RAY_TMPDIR, else TMPDIR, else /tmp>/ray/ray_current_cluster; `ray stop` removes it), as
+    (address, file), or None. Ray looks there when given no address (get_ray_address_from_environment in
+    ray/_private/services.py). The file's place as Ray finds it (get_default_system_temp_dir and
+    get_ray_address_file in ray/_common/utils.py), without importing Ray: the CLI calls this before Ray's first
+    import, which fixes the process's auth mode."""
+    if "RAY_TMPDIR" in os.environ:
+        tmp = os.environ["RAY_TMPDIR"]
+    else:
+        tmp = os.environ.get("TMPDIR", "/tmp") if sys.platform.startswith("linux") else "/tmp"
+    path = os.path.join(tmp, "ray", "ray_current_cluster")
+    try:
+        with open(path) as f:
+            address = f.read().strip()
+    except OSError:
+        return None
+    return (address, path) if address else None
+
+
 def _join_error(address: str, e: Exception) -> UserError:
     """The one line for a `ray.init(address=...)` that failed; a token-auth refusal names the token fix."""
     from ray.exceptions import AuthenticationError
 
+    recorded = recorded_address()
+    if recorded and recorded[0] == address:  # no --address: the cluster the last `ray start` here left its address of
+        where = (f"{recorded[1]} (left by the last `ray start` on this machine; `ray stop` removes it, "
+                 f"--address local starts a cluster of this driver's own) names {address}")
+    else:
+        where = f"--address {address}"
     if isinstance(e, AuthenticationError):  # token mode on, no token here: Ray raises before connecting
-        return UserError(f"--address {address}: RAY_AUTH_MODE=token but this machine has no token; {TOKEN_FIX}")
+        return UserError(f"{where}: RAY_AUTH_MODE=token but this machine has no token; {TOKEN_FIX}")
     chain, link = [], e
     while link is not None and len(chain) < 10:
         chain.append(str(link).lower())
@@ -91,10 +118,10 @@ def _join_error(address: str, e: Exception) -> UserError:
     if any("invalidauthtoken" in text or "unauthenticated" in text for text in chain):
         token_mode = os.environ.get("RAY_AUTH_MODE") == "token"  # Ray sends a token only in token mode
         sent = "the wrong token" if token_mode else "no token (RAY_AUTH_MODE is not 'token')"
-        return UserError(f"--address {address}: the cluster uses token authentication and this driver sent {sent}; "
+        return UserError(f"{where}: the cluster uses token authentication and this driver sent {sent}; "
                          f"{TOKEN_FIX}")
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return UserError(f"--address {address}: cannot join a Ray cluster there ({reason}); start one with "
+    return UserError(f"{where}: cannot join a Ray cluster there ({reason}); start one with "
                      f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
 
 
@@ -108,6 +135,9 @@ def check_address(address: str | None) -> None:
 
 def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -> bool:
     """Start or join Ray; returns True when this call started it (and so must shut it down).
+    `address`: the cluster to join (the CLI resolves --address, $RAY_ADDRESS and recorded_address()); None starts a
+    local cluster, always a new one (`address="local"`: a bare ray.init() would join the cluster recorded_address()
+    names, with keywords Ray refuses there).
     `worker_start_timeout_s`: scaling.worker_start_timeout_s, for every Ray process of the job (ray_env)."""
     import ray
     from ray.exceptions import AuthenticationError
@@ -122,7 +152,7 @@ def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -
         except (ConnectionError, ValueError, AuthenticationError) as e:
             raise _join_error(address, e) from e
     else:
-        ray.init(**kwargs)
+        ray.init(address="local", **kwargs)
     return True
 
 

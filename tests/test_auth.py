@@ -288,3 +288,38 @@ def test_the_drivers_nccl_settings_reach_the_workers_of_a_running_cluster(token_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth1", "TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_UNSET": None}
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_without_an_address_a_driver_joins_the_cluster_ray_start_recorded_and_local_starts_its_own(token_head):
+    """`ray start` records its head's address in Ray's address file (<RAY_TMPDIR>/ray/ray_current_cluster, as on a
+    cluster.yaml head), and a bare ray.init() joins that cluster: raysweep's local start passed `resources=` there,
+    which Ray refuses with a ValueError traceback. Without --address, raysweep joins the recorded cluster as
+    ray.init() would, with a cluster's checks and a line saying so; `--address local` starts a cluster of its own."""
+    tmp = Path(tempfile.mkdtemp(prefix="rsrec-", dir="/tmp"))  # short: a local cluster's socket paths live under it
+    try:
+        (tmp / "ray").mkdir()
+        (tmp / "ray" / "ray_current_cluster").write_text(token_head.address)
+        root = token_head.root / "recorded"
+        root.mkdir()
+        spec = write_spec(root, tiny_spec(root, scaling={"num_workers": 1, "use_gpu": False, "cpus_per_worker": 1},
+                                          train={"epochs": 2, "reference_batch_size": 64}))
+        env = _scrubbed_env(token_head.home, RAY_AUTH_MODE="token", RAY_TMPDIR=str(tmp))
+        joined = subprocess.run([sys.executable, "-m", "raysweep", "train", str(spec)], env=env, cwd=root,
+                                capture_output=True, text=True, timeout=240)
+        out = joined.stdout + joined.stderr
+        assert joined.returncode == 0, out[-4000:]
+        assert (f"cluster: no --address; joining the Ray cluster at {token_head.address}, which the last `ray start` "
+                f"on this machine recorded ({tmp / 'ray' / 'ray_current_cluster'})") in out, out[-4000:]
+        assert "cluster: 1 node up" in out, out[-4000:]  # the checks a cluster gets
+
+        env = _scrubbed_env(token_head.home, RAY_TMPDIR=str(tmp))
+        own = subprocess.run([sys.executable, "-m", "raysweep", "train", str(spec), "--address", "local"], env=env,
+                             cwd=root, capture_output=True, text=True, timeout=240)
+        out = own.stdout + own.stderr
+        assert own.returncode == 0, out[-4000:]
+        assert "joining" not in out and "cluster: 1 node up" not in out, out[-4000:]
+        assert list((tmp / "ray").glob("session_*")), "the local cluster's session is not under RAY_TMPDIR"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
