@@ -1,15 +1,16 @@
 """Python 3.10 (Ubuntu 22.04's python3), the oldest requires-python admits, on a real 3.10 interpreter.
 
-A virtual environment of that interpreter gets every dependency of pyproject.toml but torch from this machine's index
-(torch's only 3.10 builds on PyPI for this platform are CUDA builds whose nvidia-* packages this machine's index does
-not serve, so no trial can run here under 3.10), and runs under 3.10:
+A virtual environment of that interpreter gets torch 2.13.0 (on PyPI its 3.10 builds for x86_64 are CUDA builds, with
+their nvidia-* wheels: several GB, which run on the CPU) and every other dependency of pyproject.toml from this
+machine's index, and runs under 3.10:
 - every file of the repository compiled (its syntax);
 - the sweep's driver-side tests of the quick tier (the spec, the search, the answer, the records, the report, the
   plan), with the repository on PYTHONPATH;
 - `raysweep check` on the quickstart's spec (Ray, MLflow and the config as the CLI loads them);
+- a short sweep, `python -m raysweep tune`: its own local Ray, two trials of 2 gloo workers each (the worker's
+  torch code under 3.10), ASHA, MLflow on SQLite, the answer;
 - deploy/make_env.py, cluster.yaml's first setup command, making a working environment.
-The rest (the worker's torch code) is held to 3.10 by vermin, which fails on any standard-library name or syntax
-newer than 3.10 in any file.
+vermin holds every file to 3.10 besides: it fails on any standard-library name or syntax newer than 3.10.
 
 The interpreter: $RAYSWEEP_PYTHON310, else pyenv's 3.10, else `python3.10` on the PATH. .ci/run sets
 RAYSWEEP_REQUIRE_PY310=1: there a missing interpreter fails the test instead of skipping it.
@@ -17,17 +18,21 @@ RAYSWEEP_REQUIRE_PY310=1: there a missing interpreter fails the test instead of 
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import tomllib  # novermin: this module runs on the suite's interpreter (it makes the 3.10 one)
 
-from conftest import ROOT
+from conftest import ROOT, tiny_spec, write_spec
+from process_tree import sigkill_driver
 
 # the quick tier's modules that need no torch (the rest import the worker's code)
 DRIVER_TESTS = ["test_config.py", "test_search.py", "test_answer.py", "test_report.py", "test_data.py",
@@ -52,9 +57,28 @@ def test_the_repository_holds_to_python_3_10():
     assert project["project"]["requires-python"] == ">=3.10"
 
 
+# the sweep under 3.10: two trials, ASHA on, MLflow on SQLite, in a few tens of seconds
+SWEEP = dict(
+    train={"epochs": 2, "reference_batch_size": 64},
+    search={"per_gpu_batch_size": {"choice": [16, 32], "default": 16},
+            "base_lr": {"loguniform": [1.0e-4, 3.0e-3], "default": 2.0e-3}, "warmup_epochs": 1,
+            "weight_decay": 1.0e-4},
+    tune={"num_samples": 2, "metric": "val_loss", "mode": "min", "seed": 0, "asha": {"grace_period": 1}},
+)
+# what the 3.10 environment's MLflow holds of the sweep: each trial's status and its train_loss epochs
+READ_RUNS = """
+import sys
+from mlflow.tracking import MlflowClient
+client = MlflowClient(sys.argv[1])
+runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+print(sorted((r.info.status, len(client.get_metric_history(r.info.run_id, "train_loss")))
+             for r in runs if "mlflow.parentRunId" in r.data.tags))
+"""
+
+
 @pytest.mark.py310
-@pytest.mark.timeout(900)
-def test_under_python_3_10_the_driver_and_the_node_setup_run(tmp_path):
+@pytest.mark.timeout(1500)
+def test_under_python_3_10_a_sweep_runs_and_so_do_the_driver_s_tests_and_the_node_setup(tmp_path):
     interpreter = python310()
     if interpreter is None:
         if os.environ.get("RAYSWEEP_REQUIRE_PY310") == "1":
@@ -62,19 +86,29 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(tmp_path):
                         "RAYSWEEP_REQUIRE_PY310=1 (set by .ci/run)")
         pytest.skip("no Python 3.10 interpreter")
     env_dir = tmp_path / "py310"
+    try:
+        _under_python_3_10(interpreter, env_dir, tmp_path)
+    finally:
+        shutil.rmtree(env_dir, ignore_errors=True)  # several GB (torch's CUDA build): not kept in pytest's tmp
+
+
+def _under_python_3_10(interpreter: str, env_dir: Path, tmp_path: Path) -> None:
     subprocess.run([interpreter, "-m", "venv", str(env_dir)], check=True, timeout=120)
     python = str(env_dir / "bin" / "python")
     assert subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
                           text=True, check=True).stdout.strip() == "(3, 10)"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    deps = [d for d in project["dependencies"] if not d.startswith("torch")]
     tests = [d for d in project["optional-dependencies"]["test"] if d.startswith(("pytest", "pytest-timeout"))]
-    installed = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", *deps, *tests],
-                               capture_output=True, text=True, timeout=600)
-    assert installed.returncode == 0, installed.stderr[-3000:]
-    # the repository on the path; its bytecode beside the test, not in the repository's __pycache__ folders
+    # torch as the README pins it (the project's torch>=2.4 then installs nothing more), then the rest
+    for what in (["torch==2.13.0"], [*project["dependencies"], *tests]):
+        installed = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", *what],
+                                   capture_output=True, text=True, timeout=900)
+        assert installed.returncode == 0, installed.stderr[-3000:]
+    # the repository on the path; its bytecode beside the test, not in the repository's __pycache__ folders.
+    # RAY_ADDRESS: the suite's own cluster (set in this process once a test used it) runs 3.11, so not this one's
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
-    env.pop("PYTHONHOME", None)
+    for name in ("PYTHONHOME", "RAY_ADDRESS"):
+        env.pop(name, None)
 
     compiled = subprocess.run([python, "-m", "compileall", "-q", "-d", "repo", "raysweep", "deploy", "benchmarks",
                                "tests", "docs"], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -91,6 +125,38 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(tmp_path):
                              capture_output=True, text=True, timeout=300,
                              env=env)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    spec = write_spec(sweep_dir, tiny_spec(sweep_dir, **SWEEP))
+    log = sweep_dir / "tune.log"
+    # a Ray temp folder of its own: the address file of a `ray start` the other lane's tests make in /tmp/ray
+    # (ray.cluster_utils.Cluster writes one) would be a cluster to join (cluster.recorded_address); short, for
+    # the socket paths Ray puts under it
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rs310-", dir="/tmp"))
+    try:
+        with open(log, "w") as out:
+            driver = subprocess.Popen([python, "-m", "raysweep", "tune", str(spec)], cwd=sweep_dir,
+                                      env={**env, "RAY_TMPDIR": str(ray_tmp)}, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        try:
+            code = driver.wait(timeout=480)
+        except subprocess.TimeoutExpired:
+            sigkill_driver(driver)  # and the local Ray cluster it started
+            code = "nothing: it ran past 480 s"
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = log.read_text()
+    assert code == 0, f"the sweep under 3.10 exited {code}:\n{out[-5000:]}"
+    assert re.search(r"^sweep: 2 trials in \d+s: (1 finished, 1|2 finished, 0) pruned by ASHA, 0 failed", out,
+                     re.M), out[-3000:]
+    assert "answer (ran): global batch " in out and (sweep_dir / "results" / "t" / "report" / "answer.json").is_file()
+    runs = subprocess.run([python, "-c", READ_RUNS, f"sqlite:///{sweep_dir / 'mlflow.db'}"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert runs.returncode == 0, runs.stderr[-2000:]
+    trials = ast.literal_eval(runs.stdout.strip().splitlines()[-1])
+    assert len(trials) == 2 and all(s in ("FINISHED", "KILLED") and 1 <= n <= 2 for s, n in trials), trials
+    assert ("FINISHED", 2) in trials, trials  # one ran its whole budget
 
     made = subprocess.run([interpreter, str(ROOT / "deploy" / "make_env.py"), str(tmp_path / "node-env")],
                           capture_output=True, text=True, timeout=300)
