@@ -122,14 +122,22 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
         cmd = " ".join(p.cmdline())
         return cmd.split(" ")[0][:48] if cmd.startswith("ray::") else "(python worker starting)"
 
-    before = {p.pid for p in psutil.process_iter()}
+    # this benchmark's own processes: the local cluster ray.init() started is its descendants (the raylet, the GCS
+    # and the workers the raylet forks), so a process elsewhere on the machine (another test's cluster, the test
+    # hosts of tests/test_ray_up.py) never enters the table
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
     actors_before = {a.actor_id for a in list_actors(limit=10_000)}
     seen: dict[int, list] = {}  # pid → [create_time, title, cpu seconds]
     done = threading.Event()
 
     def poll():
         while not done.is_set():
-            for p in psutil.process_iter():
+            try:
+                ours = me.children(recursive=True)
+            except psutil.Error:  # a child that exited mid-walk
+                continue
+            for p in ours:
                 if p.pid in before:
                     continue
                 try:

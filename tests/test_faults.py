@@ -13,16 +13,21 @@ import pytest
 from raysweep.cli import main
 
 from conftest import tiny_spec, write_spec
+from process_tree import same_pid_namespace
 from test_resilience import _assert_twins, _children, _client, _final_weights, _losses, _steps, _wait_for
 
 
 def _processes(title: str):
-    """This machine's processes whose title starts with `title` (Ray titles an actor's process ray::Class.method)."""
+    """This machine's processes whose title starts with `title` (Ray titles an actor's process ray::Class.method).
+
+    This machine: this PID namespace. The test hosts of tests/test_ray_up.py, which the suite's other lane runs
+    beside this one (CONTRIBUTING.md), are other machines: their processes, in PID namespaces of their own, show in
+    this one's /proc too, and one of their sweeps has its own ray::SlotHost."""
     import psutil
 
     found = []
     for p in psutil.process_iter(["cmdline"]):
-        if " ".join(p.info["cmdline"] or []).startswith(title):
+        if " ".join(p.info["cmdline"] or []).startswith(title) and same_pid_namespace(p.pid):
             found.append(p)
     return found
 
