@@ -116,6 +116,7 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     import threading
 
     import psutil
+    import ray
     from ray.util.state import list_actors
 
     def title(p):
@@ -127,7 +128,9 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     # hosts of tests/test_ray_up.py) never enters the table
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    actors_before = {a.actor_id for a in list_actors(limit=10_000)}
+    gcs = ray.get_runtime_context().gcs_address  # this cluster's: without one the State API looks for every Ray
+    # instance on the machine, and fails when it finds two
+    actors_before = {a.actor_id for a in list_actors(address=gcs, limit=10_000)}
     seen: dict[int, list] = {}  # pid → [create_time, title, cpu seconds]
     done = threading.Event()
 
@@ -162,7 +165,7 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     thread.join()
     # Which actor ran in which process comes from Ray's State API: a process title sampled every 50 ms can miss
     # a short-lived actor's, and an actor placed in a worker process started earlier has no new pid at all.
-    for actor in list_actors(detail=True, limit=10_000):
+    for actor in list_actors(address=gcs, detail=True, limit=10_000):
         if actor.actor_id in actors_before:
             continue
         if not actor.pid:  # the State API may hold no pid for an actor already gone: listed all the same

@@ -323,3 +323,16 @@ def test_without_an_address_a_driver_joins_the_cluster_ray_start_recorded_and_lo
         assert list((tmp / "ray").glob("session_*")), "the local cluster's session is not under RAY_TMPDIR"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_a_drivers_state_api_calls_name_its_cluster_beside_another_ray_instance(ray_cluster, token_head, monkeypatch):
+    """Two Ray instances on one machine (the session's cluster and this module's `ray start` head; a local sweep beside
+    a cluster.yaml head's): a State API call without an address looks for every one and raises "Found multiple
+    active Ray instances" (get_address_for_submission_client, ray/dashboard/utils.py). The sweep's wait for its
+    slots' actors swallowed that and waited for nothing."""
+    from raysweep.slots.lifecycle import _slot_actor_ids
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert _slot_actor_ids() is not None

@@ -441,9 +441,10 @@ def test_a_slot_that_ends_removes_its_own_and_dead_placers_groups_never_a_live_o
 
 
 def _actor_state(actor) -> str | None:
+    import ray
     from ray.util.state import get_actor
 
-    found = get_actor(actor._actor_id.hex())
+    found = get_actor(actor._actor_id.hex(), address=ray.get_runtime_context().gcs_address)
     return found.state if found is not None else None
 
 

@@ -54,9 +54,11 @@ def _wait_for(predicate, timeout_s, what):
 
 
 def _train_workers():
+    import ray
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+    return [a for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                   filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
                                    raise_on_missing_output=False)]
 
 

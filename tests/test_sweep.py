@@ -26,11 +26,14 @@ SWEEP = dict(
 @pytest.mark.ray
 @pytest.mark.timeout(480)
 def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
+    import ray
     from mlflow.tracking import MlflowClient
     from ray.tune import ExperimentAnalysis
     from ray.util.state import list_actors
 
-    before = {a.actor_id for a in list_actors(limit=10_000, raise_on_missing_output=False)}  # other tests' actors
+    gcs = ray.get_runtime_context().gcs_address  # this cluster's (a State API call without one looks for every Ray
+    # instance on the machine, and the other lane's test hosts are ones: conftest.py)
+    before = {a.actor_id for a in list_actors(address=gcs, limit=10_000, raise_on_missing_output=False)}
     path = write_spec(tmp_path, tiny_spec(tmp_path, **SWEEP))
     assert main(["tune", str(path), "--progress-every", "20", "--confirm"]) == 0
     out = capsys.readouterr().out
@@ -97,7 +100,7 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     assert 0 < busy < 1 and parent.data.metrics["sweep_wall_s"] > 0
     assert f"busy {busy:.0%}: 1 slot × " in out and f"{len(later)} on warm groups" in out
     # the slot's workers are gone with the sweep (its placement group freed for the next test's)
-    alive = [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000,
+    alive = [a.class_name for a in list_actors(address=gcs, filters=[("state", "=", "ALIVE")], limit=10_000,
                                                raise_on_missing_output=False) if a.actor_id not in before]
     assert not {"RayTrainWorker", "TrainController", "SlotHost", "BrokerActor"} & set(alive), alive
 

@@ -130,10 +130,14 @@ def test_accumulation_gives_same_global_batch_and_steps(tmp_path, data_ref):
 
 def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_ref):
     """Each of those is one more Python process to start before the first report (benchmarks/ray_overhead.py)."""
+    import ray
     from ray.util.state import list_actors
 
+    gcs = ray.get_runtime_context().gcs_address
+
     def actors():  # alive or dead: the GCS keeps the records of finished actors
-        return {a.actor_id: a.class_name for a in list_actors(limit=10_000, raise_on_missing_output=False)}
+        return {a.actor_id: a.class_name for a in list_actors(address=gcs, limit=10_000,
+                                                              raise_on_missing_output=False)}
 
     before, handler = actors(), signal.getsignal(signal.SIGINT)
     _, reports = _fit(tmp_path, "helpers", ["train.epochs=1", "search.warmup_epochs=0"], data_ref)
@@ -147,7 +151,7 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
     mine = {actor_id for actor_id, name in actors().items()  # (Ray's autoscaling coordinator lives on, detached)
             if actor_id not in before and name in ("TrainController", "RayTrainWorker")}
     deadline = time.monotonic() + 30
-    while alive := [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000,
+    while alive := [a.class_name for a in list_actors(address=gcs, filters=[("state", "=", "ALIVE")], limit=10_000,
                                                       raise_on_missing_output=False) if a.actor_id in mine]:
         assert time.monotonic() < deadline, f"alive after fit() returned: {alive}"
         time.sleep(0.5)

@@ -120,7 +120,10 @@ def _slot_actor_ids() -> set[str] | None:
 
     job = ray.get_runtime_context().get_job_id()
     try:
-        return {a.actor_id for a in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
+        # this cluster's address: without one the State API looks for every Ray instance on the machine
+        # (get_address_for_submission_client in ray/dashboard/utils.py) and refuses when it finds two
+        return {a.actor_id for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                                filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
                                                 limit=10_000, raise_on_missing_output=False)
                 if a.class_name.rsplit(".", 1)[-1] in SLOT_ACTORS}  # a qualified name's last part
     except Exception as e:  # no dashboard: nothing to wait on
