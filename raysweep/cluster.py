@@ -63,8 +63,10 @@ def pin_ray_address() -> None:
 
 
 def ray_init_kwargs(worker_start_timeout_s: float = 60, verbose: bool = False) -> dict:
-    """`ray.init` keywords for a local cluster; tests start theirs with these too."""
+    """`ray.init` keywords for a local cluster, always a new one (a bare ray.init() joins the cluster
+    recorded_address() names, with keywords Ray refuses there); tests and benchmarks start theirs with these too."""
     return dict(
+        address="local",
         resources={TRIAL_DRIVER: LOCAL_TRIAL_DRIVERS},
         runtime_env={"env_vars": ray_env(worker_start_timeout_s),
                      "worker_process_setup_hook": "raysweep.cluster.pin_ray_address"},
@@ -136,8 +138,7 @@ def check_address(address: str | None) -> None:
 def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -> bool:
     """Start or join Ray; returns True when this call started it (and so must shut it down).
     `address`: the cluster to join (the CLI resolves --address, $RAY_ADDRESS and recorded_address()); None starts a
-    local cluster, always a new one (`address="local"`: a bare ray.init() would join the cluster recorded_address()
-    names, with keywords Ray refuses there).
+    local cluster, always a new one (ray_init_kwargs).
     `worker_start_timeout_s`: scaling.worker_start_timeout_s, for every Ray process of the job (ray_env)."""
     import ray
     from ray.exceptions import AuthenticationError
@@ -147,12 +148,13 @@ def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -
     kwargs = ray_init_kwargs(worker_start_timeout_s, verbose)
     if address:
         kwargs.pop("resources")  # a running cluster's resources were set by `ray start` (cluster.yaml)
+        kwargs["address"] = address
         try:
-            ray.init(address=address, **kwargs)
+            ray.init(**kwargs)
         except (ConnectionError, ValueError, AuthenticationError) as e:
             raise _join_error(address, e) from e
     else:
-        ray.init(address="local", **kwargs)
+        ray.init(**kwargs)
     return True
 
 

@@ -51,9 +51,11 @@ NOT_QUICK_MODULES = ("test_benchmarks.py",)
 # The whole suite runs in two lanes (`-n 2 --dist loadgroup`, pytest-xdist: the README's test command), each a
 # process of its own, one test at a time in each. The side lane: the tests that make their own machines or their own
 # interpreter (the `ray up` hosts, in namespaces of their own; the Python 3.10 environment) and wait on them much of
-# the time. The main lane: the rest, on its own session Ray cluster. About 40 % of the 2 cores sat idle when one
-# process ran them all (CONTRIBUTING.md has the figures).
+# the time, and the benchmarks' scripts, each a process with a Ray of its own. The main lane: the rest, on its own
+# session Ray cluster. About 40 % of the 2 cores sat idle when one process ran them all (CONTRIBUTING.md has the
+# figures).
 SIDE_LANE_MARKERS = ("hosts", "py310")
+SIDE_LANE_MODULES = ("test_benchmarks.py", "test_driver_scale.py")  # each a subprocess of its own, its own Ray
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py)
@@ -61,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name not in NOT_QUICK_MODULES and not any(item.get_closest_marker(m) for m in NOT_QUICK_MARKERS):
             item.add_marker(pytest.mark.quick)
-        side = any(item.get_closest_marker(m) for m in SIDE_LANE_MARKERS)
+        side = item.path.name in SIDE_LANE_MODULES or any(item.get_closest_marker(m) for m in SIDE_LANE_MARKERS)
         item.add_marker(pytest.mark.xdist_group("side" if side else "main"))
 
 

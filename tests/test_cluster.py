@@ -145,6 +145,7 @@ def test_s3_storage_holds_checkpoints_and_the_probe_table_and_a_failure_travels_
 @pytest.fixture
 def three_node_cluster():
     """A head with the trial_driver resource and no CPU (as cluster.yaml starts it), and three 1-CPU nodes."""
+    import ray._common.utils
     from ray.cluster_utils import Cluster
 
     # the dashboard is off by default here; without it Train V2's PlacementGroupCleaner cannot ask the
@@ -154,6 +155,11 @@ def three_node_cluster():
                                       "dashboard_port": _free_port()})
     workers = [cluster.add_node(num_cpus=1) for _ in range(3)]
     cluster.wait_for_nodes()
+    # Cluster writes its head's address to /tmp/ray/ray_current_cluster, as `ray start` does ("for convenience in
+    # unit testing": ray/cluster_utils.py), where a driver given no address finds a cluster to join
+    # (cluster.recorded_address): the other lane's local sweeps (conftest.py) would join this one. This test
+    # passes the address itself.
+    ray._common.utils.reset_ray_address()
     try:
         yield cluster, workers
     finally:
