@@ -646,9 +646,9 @@ def main() -> int:
 
     from raysweep.cluster import TRIAL_DRIVER, ray_init_kwargs
 
-    # a cluster of its own ("local": never one another job started on this machine), with a trial_driver per trial
-    ray.init(address="local", num_cpus=os.cpu_count(),
-             **{**ray_init_kwargs(), "resources": {TRIAL_DRIVER: max(args.concurrency)}})
+    # a cluster of its own (ray_init_kwargs: "local", never one another job started on this machine), with a
+    # trial_driver per trial
+    ray.init(num_cpus=os.cpu_count(), **{**ray_init_kwargs(), "resources": {TRIAL_DRIVER: max(args.concurrency)}})
     figures = []
     try:
         with tempfile.TemporaryDirectory(prefix="driver-scale-") as tmp:
