@@ -105,10 +105,10 @@ def _join_error(address: str, e: Exception) -> UserError:
 
     recorded = recorded_address()
     if recorded and recorded[0] == address:  # no --address: the cluster the last `ray start` here left its address of
-        where = (f"{recorded[1]} (left by the last `ray start` on this machine; `ray stop` removes it, "
-                 f"--address local starts a cluster of this driver's own) names {address}")
+        where = f"{address} (no --address: the last `ray start` on this machine left it in {recorded[1]})"
+        instead = "or pass --address local for a cluster of this driver's own (`ray stop` removes the file)"
     else:
-        where = f"--address {address}"
+        where, instead = f"--address {address}", "or leave --address out for a local one"
     if isinstance(e, AuthenticationError):  # token mode on, no token here: Ray raises before connecting
         return UserError(f"{where}: RAY_AUTH_MODE=token but this machine has no token; {TOKEN_FIX}")
     chain, link = [], e
@@ -124,7 +124,7 @@ def _join_error(address: str, e: Exception) -> UserError:
                          f"{TOKEN_FIX}")
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return UserError(f"{where}: cannot join a Ray cluster there ({reason}); start one with "
-                     f"`ray start --head` (or `ray up cluster.yaml`), or leave --address out for a local one")
+                     f"`ray start --head` (or `ray up cluster.yaml`), {instead}")
 
 
 def check_address(address: str | None) -> None:

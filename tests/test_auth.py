@@ -290,6 +290,25 @@ def test_the_drivers_nccl_settings_reach_the_workers_of_a_running_cluster(token_
         "NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth1", "TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_UNSET": None}
 
 
+
+def test_a_recorded_cluster_that_cannot_be_joined_names_the_file_and_the_way_out(tmp_path, monkeypatch):
+    """The address file outlives a head that was killed, not stopped. A driver given no address tries that cluster
+    (as ray.init() would); when it cannot join, the line names where the address came from and the two ways out.
+    (Joining a dead address waits out Ray's own connect timeout: the line is checked here, the join in the test
+    below against a live head.)"""
+    from raysweep.cluster import _join_error, recorded_address
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.9.9.9:6379\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert recorded_address() == ("10.9.9.9:6379", str(tmp_path / "ray" / "ray_current_cluster"))
+    line = str(_join_error("10.9.9.9:6379", ConnectionError("Timed out connecting to the GCS")))
+    assert line.startswith(f"10.9.9.9:6379 (no --address: the last `ray start` on this machine left it in "
+                           f"{tmp_path / 'ray' / 'ray_current_cluster'}): cannot join a Ray cluster there"), line
+    assert "--address local" in line and "`ray stop` removes the file" in line and "leave --address out" not in line
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "elsewhere"))
+    assert recorded_address() is None
+
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_without_an_address_a_driver_joins_the_cluster_ray_start_recorded_and_local_starts_its_own(token_head):
