@@ -8,7 +8,7 @@ import time
 
 from raysweep import drivers
 from raysweep.tracking.runs import end_sweep
-from raysweep.tracking.store import sqlite_path
+from raysweep.tracking.store import mlflow_client, sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,9 @@ class Heartbeat:
         self.thread.join(timeout=10)
 
     def _run(self):
-        from mlflow.tracking import MlflowClient
-
         from raysweep.tracking.store import bounded
 
-        client = MlflowClient(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         while not self.done.wait(self.every_s):
             try:  # each beat waited for at most a beat's time (store.bounded): a store that hangs holds no thread
                 bounded(lambda: client.set_tag(self.run_id, "raysweep.heartbeat", repr(time.time())), self.every_s,
@@ -50,12 +48,10 @@ def reconcile_orphans(tracking_uri: str, keep: str | None = None) -> list[str]:
     """End every sweep on the store whose driver is gone (parent and RUNNING children FAILED, tagged
     `error: driver lost`), but the parent `keep` (a `--resume` takes its own sweep over). Returns the parent run
     ids ended. A store that does not exist yet holds none (and is not created)."""
-    from mlflow.tracking import MlflowClient
-
     db = sqlite_path(tracking_uri)
     if db is not None and not db.is_file():
         return []
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     ended = []
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:

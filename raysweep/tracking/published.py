@@ -12,15 +12,14 @@ from pathlib import Path
 from raysweep import layout
 from raysweep.metrics import SweepRecord
 from raysweep.tracking.runs import open_sweep
+from raysweep.tracking.store import mlflow_client
 
 
 def log_report(tracking_uri: str, record: SweepRecord, folder: Path, trial_pngs: dict[str, Path],
                summary: list[dict]) -> None:
     """The report's files on the parent run (under report/), each trial's curves on its child run, and the
     summary table (with the baseline deltas) as the parent's summary.json."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     client.log_artifacts(record.parent_run_id, str(folder), "report")
     client.log_text(record.parent_run_id, json.dumps(summary, indent=1), "summary.json")
     for run_id, png in trial_pngs.items():
@@ -31,9 +30,8 @@ def log_recommendation(tracking_uri: str, run_id: str, rec) -> None:
     """The time-to-target table (`rec`: noise.Recommendation, the evidence beside the answer, not an answer of its
     own) on a run: metric `grad_noise_scale`, and the table as recommendation.json."""
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric("grad_noise_scale", rec.noise_scale, now, 0)])
     client.log_text(run_id, json.dumps(rec.as_dict(), indent=1), "recommendation.json")
@@ -48,9 +46,8 @@ def log_answer(tracking_uri: str, run_id: str, answer) -> None:
     change once logged: where a later answer differs (a resumed sweep, a confirmation), the params keep the first
     and the tag ANSWER_PARAMS_OUTDATED says so; the metrics and answer.json are always the current answer."""
     from mlflow.entities import Metric, Param, RunTag
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     held = client.get_run(run_id).data.params
     params = answer.params()
     changed = sorted(k for k, v in params.items() if k in held and held[k] != v)
@@ -68,15 +65,13 @@ def log_confirmation(tracking_uri: str, confirmation) -> None:
     `predicted_*` and `measured_*` (the mean over its seeds) of the value at the end, the time to the target and the
     seconds to the predicted value, where there is one."""
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     p = confirmation.predicted
     figures = {"predicted_value": p.get("value"), "predicted_time_to_target_s": p.get("time_to_target_s"),
                "predicted_seconds_to_value": p.get("seconds")}
     for key in ("value", "time_to_target_s", "seconds_to_value"):
         figures[f"measured_{key}"] = confirmation.measured(key)
     now = int(time.time() * 1000)
-    MlflowClient(tracking_uri).log_batch(confirmation.parent_run_id, metrics=[
+    mlflow_client(tracking_uri).log_batch(confirmation.parent_run_id, metrics=[
         Metric(k, float(v), now, 0) for k, v in figures.items() if v is not None])
 
 
@@ -84,9 +79,8 @@ def log_importance(tracking_uri: str, run_id: str, importance: dict) -> None:
     """The knobs' importance on the sweep's parent run (`importance`: report.Importance.as_dict): a metric
     `importance_<knob>` each, and the whole as importance.json (the budget it was taken at, the trials)."""
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(f"importance_{knob}", share, now, 0)
                                       for knob, share in importance["importance"].items()])
@@ -98,11 +92,9 @@ def log_probe(result, spec_text: str, experiment: str, tracking_uri: str, margin
     the recommendation as params, the JSON table and its plot (`plot`: a PNG, report.plots.probe_plot). Returns
     the run id."""
     from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
-
     _, run_id = open_sweep(tracking_uri, experiment, run_name=f"probe {datetime.now():%Y-%m-%d %H:%M:%S}",
                            tags={"raysweep.kind": "probe"}, spec_text=spec_text)
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     now = int(time.time() * 1000)
     keys = ("peak_mem_allocated_gb", "peak_mem_reserved_gb", "peak_rss_gb", "step_time_s", "images_per_s", "fits")
     metrics = [Metric(k, float(getattr(r, k)), now, r.per_gpu_batch_size) for r in result.rows for k in keys]

@@ -13,7 +13,7 @@ from raysweep.metrics import (
     outcome_of_run,
     seconds_to_value,
 )
-from raysweep.tracking.store import _artifact_text, sqlite_path
+from raysweep.tracking.store import _artifact_text, mlflow_client, sqlite_path
 
 
 def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, float]:
@@ -22,12 +22,10 @@ def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, floa
     store or the experiment does not exist (nothing is created)."""
     import statistics
 
-    from mlflow.tracking import MlflowClient
-
     db = sqlite_path(tracking_uri)
     if db is not None and not db.is_file():
         return {}
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return {}
@@ -46,11 +44,9 @@ def settled_trials(tracking_uri: str, parent_run_id: str) -> dict:
     result again: Tune needs one with the metric), and never train them again."""
     import dataclasses
 
-    from mlflow.tracking import MlflowClient
-
     from raysweep.failures import settled
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment_id = client.get_run(parent_run_id).info.experiment_id
     out = {}
     for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
@@ -66,9 +62,7 @@ def settled_trials(tracking_uri: str, parent_run_id: str) -> dict:
 
 def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metric: str) -> dict:
     """{trial id: [(time_attr, metric) per reported epoch, in order]} of a sweep's children, from the store."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment_id = client.get_run(parent_run_id).info.experiment_id
     out = {}
     for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
@@ -83,9 +77,7 @@ def trial_histories(tracking_uri: str, parent_run_id: str, time_attr: str, metri
 
 def last_noise_scale(tracking_uri: str, experiment: str) -> tuple[float, str]:
     """B_noise of the experiment's newest sweep that measured one: (value, where from)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     runs = [] if found is None else client.search_runs(
         [found.experiment_id], filter_string="tags.`raysweep.kind` = 'tune' and metrics.grad_noise_scale > 0",
@@ -104,13 +96,11 @@ def load_sweep(tracking_uri: str, experiment: str, parent_run_id: str | None = N
     An absent store, an unknown experiment or one without a sweep is a UserError naming `command` (no store is
     created).
     """
-    from mlflow.tracking import MlflowClient
-
     db = sqlite_path(tracking_uri)
     if db is not None and not db.is_file():
         raise UserError(f"{command}: no MLflow store at {db}; pass --tracking-uri sqlite:///path/to/mlflow.db "
                         f"(the store the sweep printed)")
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         names = sorted(e.name for e in client.search_experiments() if e.name != "Default")

@@ -18,16 +18,14 @@ from raysweep.metrics import (
     RunEnding,
     run_ending,
 )
-from raysweep.tracking.store import _artifact_text, _set_tags, sqlite_path
+from raysweep.tracking.store import _artifact_text, _set_tags, mlflow_client, sqlite_path
 
 
 def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, spec_text: str,
                params: dict[str, str] | None = None) -> tuple[str, str]:
     """Create (or reuse) the experiment and open the sweep's parent run, with the spec and `params` (the data's:
     data.describe.mlflow_params); returns (experiment_id, run_id)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is not None:
         experiment_id = found.experiment_id
@@ -46,9 +44,7 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
 
 def find_parent(tracking_uri: str, experiment_path: str):
     """The newest parent run of the sweep stored at `experiment_path` (an mlflow Run), or a UserError."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     runs = client.search_runs(
         [e.experiment_id for e in client.search_experiments()],
         filter_string=f"tags.`raysweep.storage` = '{experiment_path}'", order_by=["attributes.start_time DESC"],
@@ -61,17 +57,13 @@ def find_parent(tracking_uri: str, experiment_path: str):
 
 def spec_of(tracking_uri: str, run_id: str) -> str | None:
     """The spec.yaml a sweep logged on its parent run (None for a run without one)."""
-    from mlflow.tracking import MlflowClient
-
-    return _artifact_text(MlflowClient(tracking_uri), run_id, "spec.yaml")
+    return _artifact_text(mlflow_client(tracking_uri), run_id, "spec.yaml")
 
 
 def resumed_parent(tracking_uri: str, parent_run_id: str) -> str:
     """Take a sweep's parent run over for `--resume` (checked before by resume.check_resume): RUNNING again, with
     this driver's address and heartbeat. Returns its experiment id."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     run = reopen(client, parent_run_id)
     _set_tags(client, parent_run_id, drivers.driver_tags())
     return run.info.experiment_id
@@ -99,9 +91,7 @@ def end_sweep(tracking_uri: str, parent_run_id: str, status: str, error: str | N
     """End a sweep with `status` (FINISHED: it ran to its end; KILLED: interrupted; FAILED), and its children still
     RUNNING: FAILED with it, else KILLED + interrupted (a resume sets them RUNNING again); `error` (the cause) as a
     tag on each. Children that ended keep their verdict."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment_id = client.get_run(parent_run_id).info.experiment_id
     children = client.search_runs(
         [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"
@@ -122,10 +112,8 @@ def log_sweep_figures(tracking_uri: str, parent_run_id: str, figures: dict[str, 
     """Figures of the sweep as a whole (busy_share, wall_s, …) on the parent run; a resumed sweep logs its own
     driver's again (the latest value is the last run's)."""
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     now = int(time.time() * 1000)
-    MlflowClient(tracking_uri).log_batch(
+    mlflow_client(tracking_uri).log_batch(
         parent_run_id, metrics=[Metric(k, float(v), now, 0) for k, v in figures.items()]
     )
 
@@ -133,9 +121,8 @@ def log_sweep_figures(tracking_uri: str, parent_run_id: str, figures: dict[str, 
 def close_sweep(tracking_uri: str, parent_run_id: str, best: dict | None, metric: str, status: str) -> None:
     """End the parent run with the best trial's params and metric; end children left RUNNING (end_sweep)."""
     from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     if best is not None:
         params = [Param(f"best.{k}", str(v)) for k, v in best["params"].items()]
         now = int(time.time() * 1000)

@@ -41,6 +41,94 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
+# How long a driver waits for another process to finish creating a SQLite store it found half made (`mlflow_client`):
+# the whole creation takes a second or two; a file that stops changing for STALLED_S was left by a creator that
+# stopped, and is handed to MLflow as it is (it initialises an empty file; it names what is wrong with another).
+CREATION_WAIT_S = 120.0
+STALLED_S = 10.0
+_ready: set[str] = set()  # the stores this process has found whole (each checked once)
+
+
+def mlflow_client(tracking_uri: str):
+    """An MlflowClient on the store: the one way raysweep opens it. MLflow creates a SQLite store in place, running
+    its migrations on the file, and two processes creating one store at once run them over each other (the second
+    fails: "duplicate column name", "table experiments already exists", alembic's CircularDependencyError). Two
+    sweeps started in one folder share ./mlflow.db, and `mlflow ui` may be opened on it as they start. So a missing
+    store is made whole in a file beside it and linked into place (atomic; the loser uses the winner's), and one
+    found half made is waited for until its creator has finished (`_await_creation`)."""
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None and tracking_uri not in _ready:
+        if not db.exists():
+            _create(db)
+        _await_creation(db)
+        _ready.add(tracking_uri)
+    return MlflowClient(tracking_uri)
+
+
+def _create(db: Path) -> None:
+    """A whole store (MLflow's schema at its head and its Default experiment, as MLflow itself makes them) at `db`,
+    or nothing if another process got there first."""
+    import tempfile
+
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=f".{db.name}.", suffix=".creating", dir=db.parent)
+    os.close(fd)
+    scratch_uri = f"sqlite:///{scratch}"
+    try:
+        SqlAlchemyStore(scratch_uri, DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)  # creates it: schema, Default experiment
+        engine = SqlAlchemyStore._engine_map.pop(scratch_uri, None)  # its class-wide engine cache: closed, forgotten
+        if engine is not None:
+            engine.dispose()
+        try:
+            os.link(scratch, db)  # fails if `db` exists: never replaces what another process made or is making
+        except FileExistsError:
+            pass
+    finally:
+        Path(scratch).unlink(missing_ok=True)
+        Path(scratch + "-journal").unlink(missing_ok=True)
+
+
+def _whole(db: Path) -> bool:
+    """Whether `db` holds MLflow's Default experiment: the last thing MLflow writes when it creates a store."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as connection:
+            return connection.execute("SELECT 1 FROM experiments WHERE experiment_id = 0").fetchone() is not None
+    except sqlite3.Error:  # no such table yet, or a write holds the file for longer than the timeout
+        return False
+
+
+def _await_creation(db: Path) -> None:
+    """Returns once `db` is whole, or once it has stopped changing for STALLED_S (its creator stopped: MLflow is
+    left to open it as it is), or after CREATION_WAIT_S."""
+    import time
+
+    def state():
+        return tuple((p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
+                     for p in (db, db.with_name(db.name + "-journal")))
+
+    deadline = time.monotonic() + CREATION_WAIT_S
+    seen, since = state(), time.monotonic()
+    while not _whole(db):
+        now = time.monotonic()
+        if now > deadline or now - since > STALLED_S:
+            log.warning("MLflow store %s: not whole after %.0f s (its creator stopped?); opening it as it is", db,
+                        now - since)
+            return
+        if not db.exists():  # removed under us (a test's tmp_path, a user's rm): made again
+            _create(db)
+            continue
+        time.sleep(0.1)
+        if (current := state()) != seen:
+            seen, since = current, time.monotonic()
+
+
 def _artifact_text(client, run_id: str, path: str) -> str | None:
     import tempfile
 

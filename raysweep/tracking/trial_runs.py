@@ -18,6 +18,7 @@ import threading
 
 from raysweep.metrics import TAG_BASELINE, RunEnding
 from raysweep.tracking.runs import end_run, reopen
+from raysweep.tracking.store import mlflow_client
 
 
 class TrialRuns:
@@ -38,9 +39,7 @@ class TrialRuns:
     @property
     def client(self):
         if self._client is None:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(self.tracking_uri)
+            self._client = mlflow_client(self.tracking_uri)
         return self._client
 
     def __getstate__(self):  # Tune pickles callbacks with the experiment; a client and a lock are not state
