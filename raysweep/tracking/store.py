@@ -62,7 +62,8 @@ def mlflow_client(tracking_uri: str):
     if db is not None and tracking_uri not in _ready:
         if not db.exists():
             _create(db)
-        _await_creation(db)
+        if db.exists():  # else a folder without hard links (`_create`): MLflow creates it in place, as it would
+            _await_creation(db)
         _ready.add(tracking_uri)
     return MlflowClient(tracking_uri)
 
@@ -81,13 +82,17 @@ def _create(db: Path) -> None:
     scratch_uri = f"sqlite:///{scratch}"
     try:
         SqlAlchemyStore(scratch_uri, DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)  # creates it: schema, Default experiment
-        engine = SqlAlchemyStore._engine_map.pop(scratch_uri, None)  # its class-wide engine cache: closed, forgotten
+        engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(scratch_uri, None)  # its engine cache: closed
         if engine is not None:
             engine.dispose()
+        if not _whole(Path(scratch)):  # MLflow made it elsewhere (SQLAlchemy reads a "?" in a path as a query)
+            return
         try:
             os.link(scratch, db)  # fails if `db` exists: never replaces what another process made or is making
         except FileExistsError:
             pass
+        except OSError as e:  # a file system without hard links (some FUSE mounts): no atomic way to put it there
+            log.warning("MLflow store %s: not created atomically (%s); MLflow creates it in place", db, e)
     finally:
         Path(scratch).unlink(missing_ok=True)
         Path(scratch + "-journal").unlink(missing_ok=True)
@@ -96,9 +101,10 @@ def _create(db: Path) -> None:
 def _whole(db: Path) -> bool:
     """Whether `db` holds MLflow's Default experiment: the last thing MLflow writes when it creates a store."""
     import sqlite3
+    from contextlib import closing
 
     try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as connection:
+        with closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=5)) as connection:
             return connection.execute("SELECT 1 FROM experiments WHERE experiment_id = 0").fetchone() is not None
     except sqlite3.Error:  # no such table yet, or a write holds the file for longer than the timeout
         return False
@@ -110,20 +116,24 @@ def _await_creation(db: Path) -> None:
     import time
 
     def state():
-        return tuple((p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None
-                     for p in (db, db.with_name(db.name + "-journal")))
+        seen = []
+        for path in (db, db.with_name(db.name + "-journal")):
+            try:
+                seen.append((path.stat().st_size, path.stat().st_mtime_ns))
+            except FileNotFoundError:  # the journal exists only while a write is under way
+                seen.append(None)
+        return tuple(seen)
 
     deadline = time.monotonic() + CREATION_WAIT_S
     seen, since = state(), time.monotonic()
     while not _whole(db):
         now = time.monotonic()
         if now > deadline or now - since > STALLED_S:
-            log.warning("MLflow store %s: not whole after %.0f s (its creator stopped?); opening it as it is", db,
-                        now - since)
+            log.warning("MLflow store %s: half made and unchanged for %.0f s (its creator stopped?); MLflow opens it "
+                        "as it is", db, now - since)
             return
-        if not db.exists():  # removed under us (a test's tmp_path, a user's rm): made again
-            _create(db)
-            continue
+        if not db.exists():  # removed under us: MLflow creates it in place
+            return
         time.sleep(0.1)
         if (current := state()) != seen:
             seen, since = current, time.monotonic()
