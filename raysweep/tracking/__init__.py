@@ -1,6 +1,7 @@
 """Every MLflow write and read, by the driver alone (workers never open the store), in modules by job:
 
-- store.py: where the store is (the tracking URI every process agrees on), artifacts read back, the UI's link;
+- store.py: where the store is (the tracking URI every process agrees on), the one way to open it (`mlflow_client`:
+  a new SQLite store is never created by two processes over each other), artifacts read back, the UI's link;
 - runs.py: a sweep's parent run from opening to end (opened, found, taken over by --resume, ended);
 - orphans.py: the driver's heartbeat, and ending what a dead driver left RUNNING;
 - writer.py: the writer thread that keeps every write off Tune's loop and retries a stalled store;
