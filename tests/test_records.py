@@ -216,6 +216,33 @@ def test_drivers_and_another_program_opening_a_fresh_store_together_all_get_it(t
         assert not list((tmp_path / f"round{round_}").glob(".mlflow.db*"))  # no scratch file left beside it
 
 
+def test_threads_of_one_process_creating_stores_together_all_get_theirs(tmp_path):
+    import threading
+
+    from raysweep.tracking import store
+
+    # alembic keeps the migration under way in module globals: two creations in two threads of one process, even of
+    # two stores, ran each other's steps on the wrong file (the CI's "no such table: jobs": a test's thread polling
+    # its store while the sweep it ran in-process created its own). Three threads, three new stores, three rounds.
+    def open_(db, go, failed):
+        go.wait()
+        try:
+            store.mlflow_client(f"sqlite:///{db}").search_experiments()
+        except Exception as e:  # the test reports every thread's failure
+            failed.append(f"{db.name}: {e!r}"[:300])
+
+    for round_ in range(3):
+        go, failed = threading.Barrier(3), []
+        threads = [threading.Thread(target=open_, args=(tmp_path / f"{name}{round_}.db", go, failed))
+                   for name in "abc"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not failed and not any(t.is_alive() for t in threads), failed
+        assert all(store._whole(tmp_path / f"{name}{round_}.db") for name in "abc")
+
+
 def test_a_store_another_program_is_creating_is_waited_for_and_one_left_empty_is_handed_to_mlflow(tmp_path,
                                                                                                  monkeypatch):
     from raysweep.tracking import store

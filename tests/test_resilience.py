@@ -22,12 +22,14 @@ _CLIENTS = {}
 
 def _client(tmp_path):
     """One client per store: a new one opens a new engine (seconds of CPU), and polling with fresh ones
-    starved the 2-core machine until a trial's workers missed their 60 s start-up window."""
-    from mlflow.tracking import MlflowClient
+    starved the 2-core machine until a trial's workers missed their 60 s start-up window. The product's client:
+    these tests poll from a thread of the process whose sweep creates the store, and two creations at once in one
+    process break each other (tracking.store.mlflow_client)."""
+    from raysweep.tracking.store import mlflow_client
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     if uri not in _CLIENTS:
-        _CLIENTS[uri] = MlflowClient(uri)
+        _CLIENTS[uri] = mlflow_client(uri)
     return _CLIENTS[uri]
 
 

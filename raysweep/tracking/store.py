@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 from raysweep.errors import UserError
@@ -47,6 +48,10 @@ def sqlite_path(uri: str) -> Path | None:
 CREATION_WAIT_S = 120.0
 STALLED_S = 10.0
 _ready: set[str] = set()  # the stores this process has found whole (each checked once)
+# Alembic, which runs MLflow's migrations, keeps the migration under way in module globals (`alembic.op`,
+# `alembic.context`): two creations in two threads of one process, even of two different stores, run each other's
+# steps on the wrong connection ("no such table: jobs", "duplicate column name"). One at a time per process.
+_creating = threading.Lock()
 
 
 def mlflow_client(tracking_uri: str):
@@ -55,16 +60,22 @@ def mlflow_client(tracking_uri: str):
     fails: "duplicate column name", "table experiments already exists", alembic's CircularDependencyError). Two
     sweeps started in one folder share ./mlflow.db, and `mlflow ui` may be opened on it as they start. So a missing
     store is made whole in a file beside it and linked into place (atomic; the loser uses the winner's), and one
-    found half made is waited for until its creator has finished (`_await_creation`)."""
+    found half made is waited for until its creator has finished (`_await_creation`). In one process, creations
+    take turns (`_creating`): a thread that opens a store with MLflow's own client while another creates one can
+    still break both, so a process running a sweep opens every store with this."""
     from mlflow.tracking import MlflowClient
 
     db = sqlite_path(tracking_uri)
     if db is not None and tracking_uri not in _ready:
-        if not db.exists():
-            _create(db)
-        if db.exists():  # else a folder without hard links (`_create`): MLflow creates it in place, as it would
-            _await_creation(db)
-        _ready.add(tracking_uri)
+        with _creating:
+            if tracking_uri not in _ready:
+                if not db.exists():
+                    _create(db)
+                if db.exists():  # else no hard links there (`_create`): MLflow creates it in place, as it would
+                    _await_creation(db)
+                else:
+                    MlflowClient(tracking_uri).search_experiments()  # that creation, inside the lock
+                _ready.add(tracking_uri)
     return MlflowClient(tracking_uri)
 
 
