@@ -135,13 +135,13 @@ def _await_creation(db: Path) -> None:
                 seen.append(None)
         return tuple(seen)
 
-    deadline = time.monotonic() + CREATION_WAIT_S
-    seen, since = state(), time.monotonic()
+    started = time.monotonic()
+    seen, since = state(), started
     while not _whole(db):
         now = time.monotonic()
-        if now > deadline or now - since > STALLED_S:
-            log.warning("MLflow store %s: half made and unchanged for %.0f s (its creator stopped?); MLflow opens it "
-                        "as it is", db, now - since)
+        if now - started > CREATION_WAIT_S or now - since > STALLED_S:
+            log.warning("MLflow store %s: still half made after %.0f s, unchanged for the last %.0f s (its creator "
+                        "stopped?); MLflow opens it as it is", db, now - started, now - since)
             return
         if not db.exists():  # removed under us: MLflow creates it in place
             return
