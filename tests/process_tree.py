@@ -3,7 +3,6 @@ SIGKILL a `raysweep tune` (tests/test_resilience.py, benchmarks/soak.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -16,14 +15,6 @@ def descendants(pid: int) -> list:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-
-
-def same_pid_namespace(pid: int) -> bool:
-    """Whether `pid` lives in this process's PID namespace (a test host of tests/hosts.py has one of its own)."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
-    except OSError:  # gone
-        return False
 
 
 def sigkill_driver(driver: subprocess.Popen) -> None:

@@ -13,23 +13,7 @@ import pytest
 from raysweep.cli import main
 
 from conftest import tiny_spec, write_spec
-from process_tree import same_pid_namespace
 from test_resilience import _assert_twins, _children, _client, _final_weights, _losses, _steps, _wait_for
-
-
-def _processes(title: str):
-    """This machine's processes whose title starts with `title` (Ray titles an actor's process ray::Class.method).
-
-    This machine: this PID namespace. The test hosts of tests/test_ray_up.py, which the suite's other lane runs
-    beside this one (CONTRIBUTING.md), are other machines: their processes, in PID namespaces of their own, show in
-    this one's /proc too, and one of their sweeps has its own ray::SlotHost."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if " ".join(p.info["cmdline"] or []).startswith(title) and same_pid_namespace(p.pid):
-            found.append(p)
-    return found
 
 
 def _actors(class_name):
@@ -105,9 +89,13 @@ def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_t
     killed = []
 
     def kill_the_slot_host():
+        import psutil
+
         _wait_for(lambda: (runs := _children(tmp_path)) and len(_steps(tmp_path, runs[0])) >= 1, 240, "epoch 1")
-        host = _wait_for(lambda: _processes("ray::SlotHost"), 30, "the slot host's process")[0]
-        host.kill()  # SIGKILL
+        # this cluster's slot host, by the State API: a title search also finds the slot hosts of the sweeps the
+        # suite's other lane runs on this machine (the benchmarks', the 3.10 sweep's), and killed one of theirs
+        host = _wait_for(lambda: _actors("SlotHost"), 30, "the slot host's actor")[0]
+        psutil.Process(host.pid).kill()  # SIGKILL
         killed.append(host.pid)
 
     thread = threading.Thread(target=kill_the_slot_host, daemon=True)
