@@ -32,7 +32,13 @@ def open_sweep(tracking_uri: str, experiment: str, run_name: str, tags: dict, sp
     else:
         db = sqlite_path(tracking_uri)
         location = (db.parent / "mlartifacts" / experiment).as_uri() if db else None
-        experiment_id = client.create_experiment(experiment, artifact_location=location)
+        try:
+            experiment_id = client.create_experiment(experiment, artifact_location=location)
+        except Exception:  # two sweeps of one name started together: the other created it first (UNIQUE name)
+            found = client.get_experiment_by_name(experiment)
+            if found is None:
+                raise
+            experiment_id = found.experiment_id
     run = client.create_run(experiment_id, run_name=run_name, tags={**tags, **drivers.driver_tags()})
     client.log_text(run.info.run_id, spec_text, "spec.yaml")
     if params:
