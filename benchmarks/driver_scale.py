@@ -194,7 +194,8 @@ def epoch_report(trial_id: str, epoch: int, epochs: int, epoch_s: float) -> dict
                            peak_mem_allocated_gb=0.0, peak_mem_reserved_gb=0.0, rss_gb=0.5,
                            train_seconds=epoch * epoch_s)
     params = WorkerParams(device_name="simulated", precision_used="fp32", micro_batch_size=32,
-                          accumulation_steps=1, oom_downshifts=0, nodes="simulated", resolved_epochs=epochs)
+                          accumulation_steps=1, oom_downshifts=0, nodes="simulated", resolved_epochs=epochs,
+                          model_parameters=1)
     return report_dict(metrics, params)
 
 

@@ -17,6 +17,8 @@ per-GPU images/s>; the goal is ≥ 100,000 images/s (about 53×).
     python benchmarks/gpu_throughput.py --profile --batches 1024 --precisions bf16 --compile auto
     python benchmarks/gpu_throughput.py --batches 64 --precisions bf16 --compile auto --noise on,off
                                                               # what the gradient noise meter costs a step
+    python benchmarks/gpu_throughput.py --models captcha_cnn,resnet:build,crnn:build --batches 1024 --compile auto
+                                                              # users' models (examples/models/) beside the CNN
     python benchmarks/gpu_throughput.py --quick               # CPU allowed: checks the code path (CI)
 
 `--profile` runs the first configuration under torch.profiler and prints the step's top ops by GPU time,
@@ -53,14 +55,27 @@ KERNEL_KINDS = (  # (kind, substrings of a kernel's name), first match wins; the
 )
 
 
-def flops_per_image(height: int, width: int, dropout: float = 0.5) -> float:
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"  # where --models finds resnet:build, ...
+
+
+def model_config(factory: str):
+    """The spec's model section for a --models entry: a built-in's name or "module:function" (examples/models/)."""
+    from raysweep.config import ModelConfig
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return ModelConfig(dropout=0.5) if factory == "captcha_cnn" else ModelConfig(factory=factory)
+
+
+def flops_per_image(height: int, width: int, factory: str = "captcha_cnn") -> float:
     """Forward + backward FLOPs per image, counted by torch's FlopCounterMode (convs and matmuls)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from raysweep.model import CaptchaCNN
+    from raysweep import models
+    from raysweep.config import ImageSpec
 
-    model = CaptchaCNN(height, width, 4, 36, dropout)
+    model = models.build(model_config(factory), ImageSpec(width=width, height=height, length=4, num_classes=36))
     x = torch.rand(2, 1, height, width)
     with FlopCounterMode(display=False) as counter:
         model(x).sum().backward()
@@ -74,16 +89,17 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def one_gpu_trial(batch: int, precision: str, height: int, width: int, train_size: int, compile_mode: str = "auto"):
+def one_gpu_trial(batch: int, precision: str, height: int, width: int, train_size: int, compile_mode: str = "auto",
+                  factory: str = "captcha_cnn"):
     """One rank's trial at `batch` (no accumulation, no LR rule): what the GPU scripts here measure."""
-    from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
+    from raysweep.config import ImageSpec, Knobs, ScalingConfig, TrainConfig, TrialConfig
 
     compile, graphs = COMPILE_MODES[compile_mode]
     return TrialConfig(
         knobs=Knobs(per_gpu_batch_size=batch, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4, grad_accum_steps=1,
                     lr_rule="none"),
         train=TrainConfig(epochs=2, precision=precision, compile=compile, cuda_graphs=graphs),
-        model=ModelConfig(dropout=0.5),
+        model=model_config(factory),
         scaling=ScalingConfig(num_workers=1), image=ImageSpec(width=width, height=height, length=4, num_classes=36),
         train_size=train_size,
     )
@@ -106,7 +122,7 @@ class Bench:
     of exactly batch × steps random uint8 images, resident on the device."""
 
     def __init__(self, device, batch: int, precision: str, compile_mode: str, height: int, width: int, steps: int,
-                 measure_noise: bool = True):
+                 measure_noise: bool = True, factory: str = "captcha_cnn"):
         import numpy as np
         import torch
 
@@ -119,7 +135,7 @@ class Bench:
         if device.type == "cuda":  # a CUDA graph's peak is read at its capture: not the previous configuration's
             torch.cuda.reset_peak_memory_stats(device)
         self.device, self.batch, self.precision, self.compile_mode = device, batch, precision, compile_mode
-        self.trial = one_gpu_trial(batch, precision, height, width, batch * steps, compile_mode)
+        self.trial = one_gpu_trial(batch, precision, height, width, batch * steps, compile_mode, factory)
         self.net = RankModel.build(self.trial, device, measure_noise=measure_noise)
         self.sched = build_scheduler(self.net.optimizer, 1e-3, 1e-6, 0, 10_000)
         rng = np.random.default_rng(0)
@@ -135,8 +151,9 @@ class Bench:
     def setting(self) -> dict:
         """How the step actually ran: compiled, replayed as a CUDA graph."""
         step = self.net.train_step
-        return {"compiled": self.net.compiled, "graphs": bool(step is not None and step.graphs),
-                "compile_s": self.net.compile_s}
+        return {"compiled": self.net.compiled and not self.net.eager_fallback,
+                "graphs": bool(step is not None and step.graphs), "compile_s": self.net.compile_s,
+                "eager_fallback": self.net.eager_fallback}
 
 
 def measure(bench: Bench) -> tuple[float, float, float]:
@@ -238,6 +255,9 @@ def main() -> int:
     p.add_argument("--noise", default="on",
                    help="on (the gradient noise meter, as a trial runs), off (no meter); on,off measures both, "
                         "side by side")
+    p.add_argument("--models", default="captcha_cnn",
+                   help="model factories, comma-separated: captcha_cnn (the built-in) or module:function, looked for "
+                        "in examples/models/ (resnet:build, crnn:build)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (the warm-up epoch has as many)")
     p.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
     p.add_argument("--json", default=None, help="also write the rows and the best figure here")
@@ -261,6 +281,7 @@ def main() -> int:
     if set(noises) - {"on", "off"}:
         p.error(f"--noise {a.noise}: expected on, off or on,off")
     steps = a.steps
+    factories = a.models.split(",")
     if a.quick:
         height, width, batches, steps = 24, 64, [8, 16], 2
         compiles = ["off"] if not cuda else compiles
@@ -270,16 +291,20 @@ def main() -> int:
     print(f"gpu_throughput on {name}, torch {torch.__version__}; images {width}×{height}; "
           f"{flops / 1e6:.0f} MFLOP per image forward+backward (FlopCounterMode); "
           f"bf16 dense peak {peak or '?'} TFLOP/s; {steps} timed steps after a warm-up epoch as long", flush=True)
-    grid = sorted(((b, pr, c, nz) for b in batches for pr in precisions for c in compiles for nz in noises),
-                  key=lambda config: (priority(config[:3]), noises.index(config[3])))
+    grid = sorted(((b, pr, c, nz, f) for b in batches for pr in precisions for c in compiles for nz in noises
+                   for f in factories),
+                  key=lambda config: (priority(config[:3]), noises.index(config[3]), factories.index(config[4])))
     if a.profile:
-        batch, precision, comp, _ = grid[0]
-        summary = profile(Bench(device, batch, precision, comp, height, width, steps), steps, flops, peak)
+        batch, precision, comp, _, factory = grid[0]
+        summary = profile(Bench(device, batch, precision, comp, height, width, steps, factory=factory), steps,
+                          flops_per_image(height, width, factory), peak)
         if a.json:
             Path(a.json).write_text(json.dumps({"device": name, "torch": torch.__version__, **summary}, indent=1))
         return 0
     print(f"{'batch':>6s} {'precision':>9s} {'mode':>7s} {'ran as':>16s} {'images/s':>11s} {'alloc GiB':>9s} "
-          f"{'resv GiB':>8s} {'MiB/image':>9s} {'% bf16 peak':>11s} {'compile s':>9s}", flush=True)
+          f"{'resv GiB':>8s} {'MiB/image':>9s} {'% bf16 peak':>11s} {'compile s':>9s}"
+          + (" model" if len(factories) > 1 or factories != ["captcha_cnn"] else ""), flush=True)
+    model_flops = {f: flops if f == "captcha_cnn" else flops_per_image(height, width, f) for f in factories}
     rows, best, started = [], None, time.perf_counter()
 
     def dump() -> None:  # after every row: a run stopped at its time limit keeps what it measured
@@ -288,16 +313,17 @@ def main() -> int:
                 "device": name, "torch": torch.__version__, "flops_per_image": flops, "bf16_peak_tflops": peak,
                 "rows": rows, "best_goal_batch_bf16": best, "goal_images_per_s": GOAL_IMAGES_PER_S}, indent=1))
 
-    for n, (batch, precision, comp, noise) in enumerate(grid):
+    for n, (batch, precision, comp, noise, factory) in enumerate(grid):
         if a.budget_s is not None and time.perf_counter() - started > a.budget_s:
             print(f"budget of {a.budget_s:.0f} s spent: {len(grid) - n} configurations not run "
                   f"({', '.join('/'.join(map(str, g)) for g in grid[n:][:6])}{', …' if len(grid) - n > 6 else ''})")
             break
-        row = {"batch": batch, "precision": precision, "compile": comp, "noise_meter": noise == "on"}
+        row = {"batch": batch, "precision": precision, "compile": comp, "noise_meter": noise == "on", "model": factory}
         head = f"{batch:6d} {precision:>9s} {comp:>7s}"
         bench = None
         try:
-            bench = Bench(device, batch, precision, comp, height, width, steps, measure_noise=noise == "on")
+            bench = Bench(device, batch, precision, comp, height, width, steps, measure_noise=noise == "on",
+                          factory=factory)
             rate, alloc, reserved = measure(bench)
         except torch.OutOfMemoryError:
             print(f"{head} {'':>16s} {'OOM':>11s}", flush=True)
@@ -316,13 +342,14 @@ def main() -> int:
         ran = bench.setting()
         ran_as = "+".join([k for k in ("compiled", "graphs") if ran[k]]) or "eager"
         ran_as += "" if noise == "on" else ", no meter"
-        share = rate * flops / (peak * 1e12) if peak else None
+        ran_as += f" (fell back: {ran['eager_fallback']})" if ran["eager_fallback"] else ""
+        share = rate * model_flops[factory] / (peak * 1e12) if peak else None
         print(f"{head} {ran_as:>16s} {rate:11,.0f} {alloc:9.2f} {reserved:8.2f} {1024 * alloc / batch:9.2f} "
-              + (f"{100 * share:10.1f}%" if share is not None else f"{'-':>11s}") + f" {ran['compile_s']:9.1f}",
-              flush=True)
+              + (f"{100 * share:10.1f}%" if share is not None else f"{'-':>11s}") + f" {ran['compile_s']:9.1f}"
+              + (f" {factory}" if factory != "captcha_cnn" or len(factories) > 1 else ""), flush=True)
         rows.append({**row, **ran, "images_per_s": rate, "alloc_gib": alloc, "reserved_gib": reserved,
                      "bf16_peak_share": share})
-        as_a_trial = precision == "bf16" and batch == GOAL_BATCH and noise == "on"
+        as_a_trial = precision == "bf16" and batch == GOAL_BATCH and noise == "on" and factory == "captcha_cnn"
         if as_a_trial and (best is None or rate > best["images_per_s"]):
             best = rows[-1]
         dump()
@@ -330,7 +357,7 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
     small = [r for r in rows if r["batch"] == LAUNCH_BOUND_BATCH and r["precision"] == "bf16" and "images_per_s" in r
-             and r["noise_meter"]]
+             and r["noise_meter"] and r["model"] == "captcha_cnn"]
     if best:
         print(f"batch {GOAL_BATCH} bf16 best: {best['images_per_s']:,.0f} images/s (compile {best['compile']}); goal "
               f"{GOAL_IMAGES_PER_S:,} ({'met' if best['images_per_s'] >= GOAL_IMAGES_PER_S else 'not met'})")

@@ -27,6 +27,7 @@ from raysweep.metrics import (
     STARTUP_NAMES,
     WORKER_PARAMS,
     TrialView,
+    eager_reason,
     run_ending,
     startup_phases,
 )
@@ -134,7 +135,7 @@ class MLflowEvents(Callback):
         if result.get(INFRA_RETRIES):
             tags["raysweep.infra_retries"] = str(int(result[INFRA_RETRIES]))
         if result.get(EAGER_FALLBACK):
-            tags["raysweep.eager_fallback"] = "true"
+            tags["raysweep.eager_fallback"] = eager_reason(result[EAGER_FALLBACK])
         self.runs.add_result(trial.trial_id, step, now, values, worker_params, tags)
         self._put(self._write_results, *self._run_of(trial))
 

@@ -344,7 +344,7 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
 
 def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), *, worker_fn,
                  env: dict | None = None, extra_config: dict | None = None, compile_cache: str | None = None,
-                 max_failures: int | None = None):
+                 max_failures: int | None = None, code: dict | None = None):
     """A `TorchTrainer` whose workers run `worker_fn` on the shape of `trial`: worker/entry.slot_worker on a warm
     slot, probe.probe_worker for the probe (the tests and benchmarks/ray_overhead.py pass a one-trial worker).
 
@@ -353,6 +353,7 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
     `compile_cache`: the sweep's compile cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`)
     must point Inductor at it. `max_failures`: group restarts Ray Train may make (None: the trial's
     `train.max_failures`; a warm slot's trainer passes -1, unlimited, and the broker counts each trial's, slots/).
+    `code`: the user's model code for the workers (usercode.ship: {"py_modules": [...]}, or {}).
     """
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
@@ -376,7 +377,7 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
                 max_failures=trial.train.max_failures if max_failures is None else max_failures,
                 controller_failure_limit=1),
             logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": env if env is not None else worker_env(compile_cache)},
+            worker_runtime_env={"env_vars": env if env is not None else worker_env(compile_cache), **(code or {})},
         ),
     )
 

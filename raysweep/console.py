@@ -12,7 +12,15 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from raysweep.metrics import EAGER_FALLBACK, FINISHED, STARTUP_NAMES, STARTUP_PHASES, TrialView, outcome_counts
+from raysweep.metrics import (
+    EAGER_FALLBACK,
+    FINISHED,
+    STARTUP_NAMES,
+    STARTUP_PHASES,
+    TrialView,
+    eager_reason,
+    outcome_counts,
+)
 from raysweep.metrics import names as M
 from raysweep.report.table import counted, fmt, format_table, shown
 
@@ -103,8 +111,9 @@ class ConsoleProgress:
     def trial_result(self, trial_id: str, result: dict) -> None:
         if result.get(EAGER_FALLBACK) and trial_id not in self.eager:
             self.eager.add(trial_id)
-            print(f"[{now()}] warning {trial_id}: its compiled step ran eager (Dynamo hit a recompile limit): slower "
-                  f"and another dropout stream than its compiled peers; MLflow tag raysweep.eager_fallback", flush=True)
+            why = eager_reason(result[EAGER_FALLBACK])
+            print(f"[{now()}] warning {trial_id}: its compiled step ran eager ({why}): slower and another dropout "
+                  f"stream than its compiled peers; MLflow tag raysweep.eager_fallback", flush=True)
         if M.startup_s in result and trial_id not in self.startups:
             self.startups[trial_id] = {k: float(result[k]) for k in STARTUP_NAMES if k in result}
             line = startup_line(self.startups[trial_id]) + placed_on(result.get(M.nodes))
@@ -187,8 +196,9 @@ def progress_printer():
     return progress
 
 
-def print_plan(plan) -> None:
-    print(f"plan: {plan.message}", flush=True)
+def print_plan(plan, model=None) -> None:
+    """The plan (cluster.Plan) and the model it trains (models.ModelFacts: its factory and parameter count)."""
+    print(f"plan: {plan.message}" + (f"; model {model.line()}" if model is not None else ""), flush=True)
 
 
 def print_search(line: str) -> None:

@@ -60,6 +60,13 @@ class WorkerParams:
     oom_downshifts: int  # times the start-up probe halved the micro-batch
     nodes: str  # Ray node ids of the trial's workers, by rank, comma-separated (one machine's raylets share an IP)
     resolved_epochs: int  # the epochs the trial runs: train.epochs, or under train.time_budget_s what fills the budget
+    model_parameters: int  # trainable parameters of the model the ranks built (reported as MODEL_PARAMETERS)
+
+    KEYS = {"model_parameters": "model.parameters"}  # a field reported (and logged) under another name
+
+    def reported(self) -> dict[str, Any]:
+        """The params as reported and logged (WORKER_PARAMS names)."""
+        return {self.KEYS.get(k, k): v for k, v in asdict(self).items()}
 
 
 # A trial's start-up, from Tune starting it to its first training step (relay.run_trial, worker/entry.slot_worker):
@@ -89,10 +96,22 @@ def startup_phases(stamps: dict[str, float]) -> dict[str, float]:
 
 
 METRIC_NAMES = tuple(f.name for f in fields(EpochMetrics))
-WORKER_PARAMS = tuple(f.name for f in fields(WorkerParams))
-# in a report once the trial's compiled step ran eager anywhere (Dynamo hit a recompile limit): MLflow tag
-# `raysweep.eager_fallback`, and a warning on the console (worker/compile_cache.py sizes the limits)
+WORKER_PARAMS = tuple(WorkerParams.KEYS.get(f.name, f.name) for f in fields(WorkerParams))
+# the model a run trained (models.py): its factory, the keyword arguments it was called with (JSON), its trainable
+# parameters; a sweep's parent run holds all three (the check before Ray), each trial's run too (the ranks' count)
+MODEL_FACTORY, MODEL_KWARGS, MODEL_PARAMETERS = "model.factory", "model.kwargs", "model.parameters"
+# in a report once the trial's compiled step ran eager anywhere: its value is why (EAGER_REASONS); MLflow tag
+# `raysweep.eager_fallback` says it, and so does a warning on the console (worker/compile_cache.py sizes the limits)
 EAGER_FALLBACK = "eager_fallback"
+RECOMPILE_LIMIT, COMPILE_FAILED, CAPTURE_FAILED = 1, 2, 3
+EAGER_REASONS = {RECOMPILE_LIMIT: "Dynamo hit a recompile limit",
+                 COMPILE_FAILED: "the model could not be compiled (torch.compile raised; the rank's log says why)",
+                 CAPTURE_FAILED: "the step could not be captured as a CUDA graph (the rank's log says why)"}
+
+
+def eager_reason(value) -> str:
+    """What an EAGER_FALLBACK value says (an older run's 1: the recompile limit)."""
+    return EAGER_REASONS.get(int(value), EAGER_REASONS[RECOMPILE_LIMIT])
 # the metrics a sweep can rank by, each with the direction that is better (`tune.mode` must agree)
 METRIC_MODES = {"val_loss": "min", "val_exact_acc": "max", "val_char_acc": "max", "train_loss": "min"}
 RANKABLE_METRICS = tuple(METRIC_MODES)
@@ -100,7 +119,8 @@ RANKABLE_METRICS = tuple(METRIC_MODES)
 TRIAL_PARAMS = ("per_gpu_batch_size", "base_lr", "warmup_epochs", "weight_decay", "grad_accum_steps", "lr_rule",
                 "global_batch_size", "peak_lr", "steps_per_epoch", "samples_per_epoch", "warmup_steps", "total_steps",
                 "world_size",
-                "precision", "epochs", "train_size", "reference_batch_size", "min_lr", "grad_clip", "seed")
+                "precision", "epochs", "train_size", "reference_batch_size", "min_lr", "grad_clip", "seed",
+                MODEL_FACTORY, MODEL_KWARGS)
 
 
 class Names:
@@ -121,7 +141,7 @@ names = Names(METRIC_NAMES, WORKER_PARAMS, STARTUP_NAMES, TRIAL_PARAMS, (EAGER_F
 def report_dict(metrics: EpochMetrics, params: WorkerParams) -> dict[str, Any]:
     """The one dict handed to `ray.train.report`: plain numbers and strings, named as above (absent
     values left out, so that no tracker records a missing estimate as 0)."""
-    return {k: v for k, v in {**asdict(metrics), **asdict(params)}.items() if v is not None}
+    return {k: v for k, v in {**asdict(metrics), **params.reported()}.items() if v is not None}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -204,18 +204,18 @@ class ConvBlock(nn.Module):
 
 
 class CaptchaCNN(nn.Module):
-    """Input (B, 1, H, W) floats in [0, 1]; output (B, length × num_classes) logits.
+    """Input (B, channels, H, W) floats in [0, 1]; output (B, length × num_classes) logits.
 
     `path`: "cpu" (the CPU's kernels) or "plain" (the ops Inductor fuses: CUDA's); None picks by the input's
     device. Both compute the same function; tests run the plain path on the CPU too."""
 
     def __init__(self, height: int, width: int, length: int, num_classes: int, dropout: float = 0.5,
-                 path: str | None = None):
+                 path: str | None = None, channels: int = 1):
         super().__init__()
         if path not in (None, *PATHS):
             raise ValueError(f"path {path!r}: expected one of {PATHS} or None")
         self.length, self.num_classes, self.dropout, self.path = length, num_classes, dropout, path
-        self.features = nn.Sequential(ConvBlock(1, 32, dropout, path=path),
+        self.features = nn.Sequential(ConvBlock(channels, 32, dropout, path=path),
                                       ConvBlock(32, 64, dropout, weight_grad_nchw=True, path=path),
                                       ConvBlock(64, 64, dropout, path=path))
         # three 2× pools, each flooring: 60×160 → 30×80 → 15×40 → 7×20
@@ -233,10 +233,12 @@ class CaptchaCNN(nn.Module):
         return self.fc2(h)
 
 
-def build_model(image, dropout: float, path: str | None = None) -> CaptchaCNN:
-    """The CNN for images of `image` (width, height, length, num_classes: config.ImageSpec), channels_last.
+def captcha_cnn(image, dropout: float = 0.5, path: str | None = None) -> CaptchaCNN:
+    """raysweep's CNN for images of `image` (config.ImageSpec), channels_last: the built-in model, and the first
+    implementation of the model contract (raysweep/models.py). `model.dropout` is its `dropout`.
 
     NHWC is oneDNN's and cuDNN's fast conv layout (1.3× on the CPU step here, benchmarks/RESULTS.md).
     """
-    model = CaptchaCNN(image.height, image.width, image.length, image.num_classes, dropout, path)
+    model = CaptchaCNN(image.height, image.width, image.length, image.num_classes, dropout, path,
+                       image.channels)
     return model.to(memory_format=torch.channels_last)

@@ -53,16 +53,19 @@ def probe_worker(config: dict) -> None:
     """Every rank: candidate batch sizes in lockstep (each outcome is agreed by all-reduce)."""
     import dataclasses
 
+    import ray
     import ray.train
     import ray.train.torch
 
     from raysweep.config import TrialConfig
+    from raysweep.models import resolve_on_worker
     from raysweep.worker.device import device_name, setup_device
     from raysweep.worker.net import RankModel
     from raysweep.worker.probe_step import probe_step
 
     trial, opts = TrialConfig.from_dict(config["trial"]), ProbeOptions(**config["probe"])
     ctx = ray.train.get_context()
+    resolve_on_worker(trial.model, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     device = ray.train.torch.get_device()
     setup_device(device)
     # eager: compiling each candidate batch would cost seconds to tens of seconds apiece. The compiled step needs
@@ -99,8 +102,10 @@ class ProbeResult:
 
 
 def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: float = 0.1,
-          max_memory_gb: float | None = None) -> ProbeResult:
-    """Run the probe on the connected Ray cluster; returns the table and the recommendation."""
+          max_memory_gb: float | None = None, code: dict | None = None) -> ProbeResult:
+    """Run the probe on the connected Ray cluster; returns the table and the recommendation. `code`: the user's
+    model code for the workers (usercode.ship_for; None: shipped now)."""
+    from raysweep import usercode
     from raysweep.cluster import make_trainer, worker_env
     from raysweep.worker.probe_step import ProbeStep
 
@@ -110,7 +115,8 @@ def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: f
     out = storage.join(root, name, layout.PROBE_FILE)
     opts = ProbeOptions(start, max_batch, max_memory_gb, out)
     make_trainer(trial, None, root, name, env=worker_env(), worker_fn=probe_worker,
-                 extra_config={"probe": asdict(opts)}).fit()
+                 extra_config={"probe": asdict(opts)},
+                 code=usercode.ship_for(config) if code is None else code).fit()
     data = json.loads(storage.read_text(out))
     rows = sorted((ProbeStep(**r) for r in data["results"]), key=lambda r: r.per_gpu_batch_size)
     gpu = config.scaling.use_gpu
@@ -147,6 +153,7 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
     from raysweep import console, tracking
     from raysweep.cluster import connect, plan_concurrency
     from raysweep.config import spec_yaml
+    from raysweep.models import check_spec_model
     from raysweep.report.plots import probe_plot
 
     if not 0 <= margin < 1:
@@ -155,9 +162,10 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
         raise UserError(f"--start {start} --max-batch {max_batch}: expected 1 ≤ start ≤ max-batch")
     tracking_uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
     noise = noise_scale_option(noise_scale, tracking_uri, config.experiment_name)  # bad input fails before Ray
+    model = check_spec_model(config)  # a model that cannot train, too
     started = connect(address, config.scaling.worker_start_timeout_s, verbose)
     try:
-        plan_concurrency(ray.cluster_resources(), config, 1)  # one trial's workers must fit
+        console.print_plan(plan_concurrency(ray.cluster_resources(), config, 1), model)  # one trial's must fit
         result = probe(config, start, max_batch, margin, max_memory_gb)
         console.print_probe(result, margin)
         with tempfile.TemporaryDirectory() as folder:

@@ -72,6 +72,7 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
     """
     from raysweep import tracking
     from raysweep.cluster import check_address, connect
+    from raysweep.models import check_spec_model
     from raysweep.resume import check_resume
 
     t_start = time.monotonic()
@@ -79,11 +80,12 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
     resumed = in_store(config, lambda: check_resume(config, where.tracking_uri, where.experiment_path, where.name),
                        "the resume's checks") if resume else None
     check_address(address)
-    # before Ray: a batch the data cannot run is refused here
+    # before Ray: a batch the data cannot run, a model that cannot train, are refused here
     check_batches(config, single or confirming is not None, cap_batch)
+    model = check_spec_model(config)
     in_store(config, lambda: tracking.reconcile_orphans(where.tracking_uri, keep=resumed), "the orphans' search")
     started_ray = connect(address, config.scaling.worker_start_timeout_s, verbose)
-    sweep = Sweep(config, where, single, confirming)
+    sweep = Sweep(config, where, single, confirming, model)
     try:
         if address:  # a cluster of machines: all of them up, and one storage_path that every one sees
             from raysweep import console, nodes
@@ -106,8 +108,9 @@ def run(config, *, single: bool = False, address: str | None = None, resume: boo
 class Sweep:
     """One driver's run of a sweep, step by step (`run` calls them in order)."""
 
-    def __init__(self, config, where: Where, single: bool, confirming: Confirming | None = None):
+    def __init__(self, config, where: Where, single: bool, confirming: Confirming | None = None, model=None):
         self.config, self.where, self.single, self.confirming = config, where, single, confirming
+        self.model = model  # models.ModelFacts: the check before Ray (None: not checked)
         self.searched = not single and confirming is None  # a tune sweep: its search, ASHA, the report, the answer
         self.num_samples = len(confirming.seeds) if confirming else 1 if single else config.tune.num_samples
         self.broker = self.plan = self.context = self.asha = self.scheduler = self.progress = None
@@ -124,7 +127,7 @@ class Sweep:
         while MLflow opens and Tune starts (every trial of a spec has its scaling)."""
         import ray
 
-        from raysweep import console, slots
+        from raysweep import console, slots, usercode
         from raysweep.asha import AshaPlan
         from raysweep.cluster import plan_when_free, trial_driver_node, worker_env
         from raysweep.data import load_data
@@ -133,8 +136,9 @@ class Sweep:
 
         config, where = self.config, self.where
         self.plan = plan_when_free(config, self.num_samples, console.print_waiting)
-        console.print_plan(self.plan)
-        batch_cap = resolve_batch_cap(config, cap_batch)
+        console.print_plan(self.plan, self.model)
+        code = usercode.ship_for(config)
+        batch_cap = resolve_batch_cap(config, cap_batch, code)
         data = load_data(config.data, console.progress_printer())
         console.print_data(data, config.data)
         train_size = len(data.train)  # what check_batches counted, unless the folder changed since
@@ -145,7 +149,7 @@ class Sweep:
         compile_cache = storage.join(where.experiment_path, layout.COMPILE_CACHE)
         self.broker = slots.open_broker(where.experiment_path, self.plan.trials_at_once, slots.SlotPlan(
             data_ref, storage.join(where.experiment_path, layout.SLOTS), worker_env(compile_cache), compile_cache,
-            trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s))
+            trial_driver_node(), config.mlflow.retry_s, config.tune.keep_warm_s, code))
         self.broker.prewarm.remote(config.trials.trial(config.trials.default_knobs(), train_size, batch_cap).to_dict(),
                                    min(self.plan.trials_at_once, self.num_samples))
         self.asha = AshaPlan.of(config) if self.searched else None
@@ -176,7 +180,8 @@ class Sweep:
             tags={"raysweep.kind": kind, "raysweep.storage": str(where.experiment_path),
                   "raysweep.metric": config.tune.metric, "raysweep.mode": config.tune.mode,
                   **tracking.target_tags(config.tune.target), **tracking.confirm_tags(self.confirming)},
-            spec_text=spec_yaml(config), params=self.data_params), "the sweep's parent run")
+            spec_text=spec_yaml(config), params={**self.data_params, **(self.model.params() if self.model else {})}),
+            "the sweep's parent run")
 
     def fit(self, resume: bool, progress_every_s: float):
         """Tune's run of the trials, with the driver's callbacks; every write in the store when it returns."""
@@ -381,8 +386,9 @@ def static_batch_cap(config, cap_batch: int | None) -> int | None:
     return cap if isinstance(cap, int) else None
 
 
-def resolve_batch_cap(config, cap_batch: int | None) -> int | None:
-    """--cap-batch, else search.per_gpu_batch_size.max (a number, or `probe`: measured now)."""
+def resolve_batch_cap(config, cap_batch: int | None, code: dict | None = None) -> int | None:
+    """--cap-batch, else search.per_gpu_batch_size.max (a number, or `probe`: measured now; `code`: the user's model
+    code for the probe's workers, usercode.ship_for)."""
     from raysweep.console import print_batch_cap
 
     cap = cap_batch if cap_batch is not None else config.trials.batch_cap
@@ -390,7 +396,7 @@ def resolve_batch_cap(config, cap_batch: int | None) -> int | None:
     if cap == "probe":
         from raysweep.probe import probe
 
-        probed = probe(config)
+        probed = probe(config, code=code)
         if probed.recommended is None:
             raise UserError(f"search.per_gpu_batch_size.max: probe found no per-GPU batch that fits "
                             f"(from 8 up); see {probed.path}")

@@ -26,7 +26,7 @@ from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainC
 from raysweep.data import CaptchaArrays, CaptchaData
 from raysweep.optim import build_scheduler, lr_at
 from raysweep.worker import faults
-from raysweep.worker.device import resolve_precision
+from raysweep.worker.device import release_trial_memory, resolve_precision
 from raysweep.worker.faults import FaultInjection, TrialFailure
 from raysweep.worker.net import RankModel
 from raysweep.worker.probe_step import probe_step
@@ -291,7 +291,7 @@ def test_compiled_step_trains_like_eager_and_counts_its_compile_time(device, exa
     eager_net, _, eager = _losses(_trial(graphs=False), device, arrays)
     net, _, compiled = _losses(_trial(compile=True, graphs=False), device, arrays)
     assert not eager_net.compiled and eager_net.compile_s == 0
-    assert net.compiled and isinstance(net.step_core, torch._dynamo.eval_frame.OptimizedModule)
+    assert net.compiled and isinstance(net.step_core.compiled, torch._dynamo.eval_frame.OptimizedModule)
     assert compiled == pytest.approx(eager, rel=2e-3)
     assert net.compile_s > 0  # the first call compiled
     before = net.compile_s
@@ -482,3 +482,63 @@ def test_two_ranks_stop_together_on_a_nan_that_only_one_of_them_saw(two_ranks):
     for r in ranks:
         kind, message, last_step = r["diverged"]
         assert (kind, last_step) == ("diverged", step) and message.endswith("at epoch 1, step 3")
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's model (tests/user_models.py) on the same paths: compiled where it can be, eager where not, and said
+
+
+def _user(trial: TrialConfig, factory: str) -> TrialConfig:
+    return trial.model_copy(update={"model": ModelConfig(factory=f"user_models:{factory}")})
+
+
+def test_a_user_model_that_cannot_be_compiled_trains_eager_and_says_why(device):
+    """A custom op with no fake implementation: torch.compile raises at the first call (Dynamo cannot trace it).
+    The trial runs that model eagerly, with the same losses as a trial that never compiled, and the fallback is
+    recorded (metrics.COMPILE_FAILED), not a failed trial."""
+    from raysweep.metrics import COMPILE_FAILED
+
+    trial = _user(_trial(compile=True, graphs=False), "uncompilable")
+    net, _, compiled_losses = _losses(trial, device, _arrays(256), path=None)
+    assert net.compiled and net.eager_fallback == COMPILE_FAILED and net.step_core.compiled is None
+    _, _, eager_losses = _losses(_user(_trial(compile=False, graphs=False), "uncompilable"), device, _arrays(256),
+                                 path=None)
+    assert all(math.isfinite(v) for v in compiled_losses)
+    np.testing.assert_allclose(compiled_losses, eager_losses, rtol=1e-5 if device.type == "cuda" else 0)
+
+
+def test_a_user_model_compiles_and_trains_as_eager_does(device):
+    """A user model that compiles: its compiled step trains as its eager one (no fallback)."""
+    trial = _user(_trial(compile=True, graphs=False), "tiny")
+    net, _, compiled = _losses(trial, device, _arrays(256), path=None)
+    assert net.compiled and not net.eager_fallback and net.compile_s > 0
+    _, _, eager = _losses(_user(_trial(compile=False, graphs=False), "tiny"), device, _arrays(256), path=None)
+    np.testing.assert_allclose(compiled, eager, rtol=1e-3)
+
+
+@gpu_only
+def test_a_user_model_that_cannot_be_captured_runs_its_steps_eager_and_says_why(device):
+    """A forward that reads a value back to the host (`.item()`) cannot be captured as a CUDA graph: the capture
+    raises, the trial's steps run eagerly from there on (metrics.CAPTURE_FAILED), and it trains every epoch."""
+    from raysweep.metrics import CAPTURE_FAILED
+
+    trial = _user(_trial(compile=False, graphs=True, epochs=3), "host_syncing")
+    net, _, losses = _losses(trial, device, _arrays(256), path=None)
+    assert net.eager_fallback == CAPTURE_FAILED and not net.train_step.graphs
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    # the process goes on as a warm slot's does: the next trial's random ops (dropout, the probe's random batch)
+    # run; a failed capture once left the device's RNG in capture mode, and they all raised
+    # and what the failed capture held goes back to the allocator: the next trial's graph and memory are its own
+    del net
+    release_trial_memory(device)
+    reserved = torch.cuda.memory_reserved(device)
+    after = _trial(dropout=0.5, graphs=True)
+    next_net, _, next_losses = _losses(after, device, _arrays(256))
+    assert all(math.isfinite(v) for v in next_losses) and next_net.train_step.graphs
+    assert probe_step(next_net, after, 32).fits
+    del next_net
+    release_trial_memory(device)
+    assert torch.cuda.memory_reserved(device) - reserved <= 32 * 2**20
+    # a later trial of the same model in this process does not try to capture it again
+    again, _, _ = _losses(trial, device, _arrays(256), path=None)
+    assert again.eager_fallback == CAPTURE_FAILED and not again.train_step.graphs

@@ -132,7 +132,7 @@ def test_epoch_metrics_are_the_names_the_report_carries():
     from raysweep.metrics import METRIC_NAMES, WORKER_PARAMS, EpochMetrics, WorkerParams, report_dict
 
     metrics = EpochMetrics(**{f.name: 1 for f in fields(EpochMetrics)})
-    params = WorkerParams("cpu (1 threads)", "fp32", 16, 2, 1, "n1,n2", 6)
+    params = WorkerParams("cpu (1 threads)", "fp32", 16, 2, 1, "n1,n2", 6, 1234)
     report = report_dict(metrics, params)
     assert tuple(report) == METRIC_NAMES + WORKER_PARAMS
     assert all(isinstance(v, (int, float, str)) for v in report.values())  # Ray Train rejects tensors

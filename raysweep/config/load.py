@@ -60,6 +60,7 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
     except ValidationError as e:
         raise UserError(_describe(e, str(path), overridden)) from None
     config._source = str(path) + "".join(f" (--set {item})" for item in overrides)
+    config._spec_dir = str(path.resolve().parent)
     config._args = " ".join(shlex.quote(word) for word in (str(path), *(w for item in overrides
                                                                           for w in ("--set", item))))
     _check_paths(config, str(path))

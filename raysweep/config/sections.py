@@ -48,6 +48,8 @@ class DataConfig(Section):
     length: PosInt = Field(4, description="characters per captcha")
     width: Annotated[int, Strict(), Field(ge=8)] = Field(160, description="image width, pixels")
     height: Annotated[int, Strict(), Field(ge=8)] = Field(60, description="image height, pixels")
+    channels: Literal[1, 3] = Field(
+        1, description="colour channels the model takes: 1 grayscale, 3 RGB (transparency laid on white either way)")
     synthetic: SyntheticConfig = SyntheticConfig()
 
     @field_validator("charset")
@@ -71,8 +73,66 @@ class DataConfig(Section):
         return len(self.charset)
 
 
+DEFAULT_MODEL = "captcha_cnn"
+BUILTIN_MODELS = {"captcha_cnn": "raysweep.model:captcha_cnn"}  # a built-in model's name → its factory (models.py)
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+FACTORY_PATTERN = rf"^{_NAME}(\.{_NAME})*:{_NAME}(\.{_NAME})*$"  # package.module:function (or Class.method)
+
+
 class ModelConfig(Section):
-    dropout: Annotated[float, Strict(), Field(ge=0, lt=1)] = Field(0.5, description="dropout probability")
+    """The network the loop trains: raysweep's captcha CNN, or a user's, named by its factory (raysweep/models.py
+    has the contract; docs/your-model.md)."""
+
+    factory: str | None = Field(
+        None, description="\"package.module:function\" returning the nn.Module to train (called with the image spec "
+        "and model.kwargs), or a built-in's name (captcha_cnn); null → raysweep's captcha CNN")
+    kwargs: dict[str, Any] = Field(
+        {}, description="keyword arguments for the factory (plain YAML values)")
+    dropout: Annotated[float, Strict(), Field(ge=0, lt=1)] | None = Field(
+        None, description="the built-in CNN's dropout probability; null → 0.5 (a model of your own takes its own "
+        "settings in model.kwargs)")
+    find_unused_parameters: bool = Field(
+        False, description="DDP's find_unused_parameters: true for a model whose forward leaves a parameter without a "
+        "gradient in some steps (costs a pass over the autograd graph every step); false: such a model is refused "
+        "by the check before Ray")
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, factory: str | None) -> str | None:
+        import re
+
+        if factory is None or factory in BUILTIN_MODELS:
+            return factory
+        if not re.match(FACTORY_PATTERN, factory):
+            raise ValueError(f"{factory!r} is not \"package.module:function\" (a module path, a colon, the name of "
+                             f"the function in it) nor a built-in model ({', '.join(BUILTIN_MODELS)})")
+        return factory
+
+    @model_validator(mode="after")
+    def _dropout_is_the_cnns(self):
+        if not self.builtin and self.dropout is not None:
+            raise ValueError("dropout is the built-in CNN's; a model of your own takes its own settings in "
+                             "model.kwargs (e.g. kwargs: {dropout: 0.3})")
+        if self.builtin and "dropout" in self.kwargs and self.dropout is not None:
+            raise ValueError("dropout is set twice (model.dropout and model.kwargs.dropout); keep one")
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        """Whether this is raysweep's own CNN (no user code to check or ship)."""
+        return self.factory in (None, *BUILTIN_MODELS)
+
+    @property
+    def name(self) -> str:
+        """The factory as the plan line, MLflow and answer.json name it."""
+        return (self.factory or DEFAULT_MODEL) if self.builtin else self.factory
+
+    def factory_kwargs(self) -> dict[str, Any]:
+        """What the factory is called with beside the image spec: model.kwargs, and for the built-in CNN its
+        dropout (model.dropout, else 0.5)."""
+        if not self.builtin:
+            return dict(self.kwargs)
+        return {"dropout": 0.5 if self.dropout is None else self.dropout, **self.kwargs}
 
 
 class ScalingConfig(Section):

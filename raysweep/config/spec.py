@@ -4,6 +4,8 @@ horizon, and the trial factory (`SweepConfig.trials`) built from its sections.""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -42,11 +44,22 @@ class SweepConfig(Section):
     mlflow: MlflowSection = MlflowSection()
     _source: str = PrivateAttr("")  # the spec file (and --set overrides) it was read from: load_config sets it
     _args: str = PrivateAttr("")  # the same as a command's arguments: `spec.yaml --set k=v` (load_config sets it)
+    _spec_dir: str | None = PrivateAttr(None)  # the spec file's folder (load_config sets it): a factory's module is
+    # looked for there too (model_search_path)
 
     @property
     def source(self) -> str:
         """Where this spec came from, to start an error line with: `spec.yaml` or `spec.yaml (--set k=v)`."""
         return self._source
+
+    @property
+    def model_search_path(self) -> list[Path]:
+        """Where model.factory's module is looked for beside the installed packages, in order: the working directory
+        (as `python -m` puts it first), then the spec file's folder."""
+        folders = [Path(os.getcwd())]
+        if self._spec_dir is not None and Path(self._spec_dir) != folders[0]:
+            folders.append(Path(self._spec_dir))
+        return folders
 
     @property
     def command_args(self) -> str | None:
@@ -154,6 +167,7 @@ class SweepConfig(Section):
             train=self.train,
             model=self.model,
             scaling=self.scaling,
-            image=ImageSpec(width=data.width, height=data.height, length=data.length, num_classes=data.num_classes),
+            image=ImageSpec(width=data.width, height=data.height, length=data.length, num_classes=data.num_classes,
+                            channels=data.channels),
             target=self.tune.target,
         )

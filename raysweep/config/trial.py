@@ -3,8 +3,9 @@ and the factory that makes one from the spec and a sampled knob dict (`TrialFact
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -26,12 +27,16 @@ class Knobs(Section):
 
 
 class ImageSpec(Section):
-    """The images a trial's model takes: width and height in pixels, characters per captcha, charset size."""
+    """The images a model takes and what it predicts: what a model factory is called with (raysweep/models.py).
 
-    width: PosInt
-    height: PosInt
-    length: PosInt
-    num_classes: PosInt
+    The model maps float images (N, channels, height, width) in [0, 1] to logits for every (position, character):
+    (N, length, num_classes), or flat, (N, length × num_classes)."""
+
+    width: PosInt = Field(description="image width, pixels")
+    height: PosInt = Field(description="image height, pixels")
+    length: PosInt = Field(description="characters per captcha: the positions to predict")
+    num_classes: PosInt = Field(description="characters in the charset: the logits per position")
+    channels: Literal[1, 3] = Field(1, description="1 grayscale, 3 RGB")
 
 
 SEED = "seed"  # a sampled dict's key beside the knobs: a `confirm` run's train.seed for this trial
@@ -158,6 +163,8 @@ class TrialConfig(Section):
             "min_lr": self.train.min_lr,
             "grad_clip": self.train.grad_clip,
             "seed": self.train.seed,
+            "model.factory": self.model.name,
+            "model.kwargs": json.dumps(self.model.factory_kwargs(), sort_keys=True),
         }
 
 

@@ -63,9 +63,9 @@ def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
     if cfg.train_dir is None:
         return synthetic_data(cfg, progress=progress)
     shape = (cfg.charset, cfg.length, cfg.width, cfg.height)
-    train = read_folder(cfg.train_dir, *shape, "data.train_dir", progress)
+    train = read_folder(cfg.train_dir, *shape, "data.train_dir", progress, cfg.channels)
     if cfg.val_dir is not None:
-        val = read_folder(cfg.val_dir, *shape, "data.val_dir", progress)
+        val = read_folder(cfg.val_dir, *shape, "data.val_dir", progress, cfg.channels)
         source, val_facts = f"{cfg.train_dir} + {cfg.val_dir}", val.facts
     else:
         n = len(train.names)
@@ -78,8 +78,8 @@ def load_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
 
 
 def read_folder(folder, charset: str, length: int, width: int, height: int, key: str = "data.train_dir",
-                progress: ProgressFn | None = None) -> CaptchaArrays:
+                progress: ProgressFn | None = None, channels: int = 1) -> CaptchaArrays:
     """One folder's decoded arrays (data.folder.read_folder has the file names and facts too)."""
     from raysweep.data.folder import read_folder as read
 
-    return read(folder, charset, length, width, height, key, progress).arrays
+    return read(folder, charset, length, width, height, key, progress, channels).arrays

@@ -26,7 +26,8 @@ def quiet(label: str, done: int, total: int) -> None:
 
 @dataclass(frozen=True)
 class CaptchaArrays:
-    """Decoded images (N, H, W) uint8 grayscale and labels (N, length) uint8 indices into the charset."""
+    """Decoded images, (N, H, W) uint8 grayscale or (N, H, W, 3) RGB (data.channels), and labels (N, length) uint8
+    indices into the charset."""
 
     images: np.ndarray
     labels: np.ndarray

@@ -35,16 +35,19 @@ def _n(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
-def folder_notes(f: FolderFacts, width: int, height: int) -> list[str]:
-    """One line per change reading the folder made, and per file it left out."""
+def folder_notes(f: FolderFacts, width: int, height: int, channels: int = 1) -> list[str]:
+    """One line per change reading the folder made, and per file it left out (`channels`: data.channels, what the
+    images were read as)."""
     lines = []
     if f.folded:
         other = "lowercase" if f.fold == "uppercase" else "uppercase"
         lines.append(f"{f.key}: {_n(f.folded, 'label')} with {other} letters read as {f.fold} (data.charset's letters "
                      f"are all {f.fold}; give it both cases to tell them apart)")
-    converted = {m: n for m, n in f.modes.items() if m != "L"}
+    native = "RGB" if channels == 3 else "L"
+    converted = {m: n for m, n in f.modes.items() if m != native}
     if converted:
-        lines.append(f"{f.key}: {sum(converted.values()):,} of {f.images:,} images read as 8-bit grayscale from "
+        lines.append(f"{f.key}: {sum(converted.values()):,} of {f.images:,} images read as 8-bit "
+                     f"{'RGB' if channels == 3 else 'grayscale'} from "
                      f"{_counted(converted, MODE_NAMES, most=len(converted))}")
     if f.resized:
         other = {s: n for s, n in f.sizes.items() if s != f"{width}×{height}"}
@@ -65,7 +68,7 @@ def notes(facts: DataFacts, cfg) -> tuple[str, ...]:
     lines = []
     for folder in (facts.train, facts.val):
         if folder is not None:
-            lines += folder_notes(folder, cfg.width, cfg.height)
+            lines += folder_notes(folder, cfg.width, cfg.height, cfg.channels)
     if facts.val_in_train:
         val_file, train_file = facts.leak_example
         key = "data.val_dir" if facts.val is not None else "data.val_fraction"

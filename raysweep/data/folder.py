@@ -3,7 +3,8 @@
 A folder holds `TEXT_anything.png` or `TEXT.png` files: the label is the file name up to its first `_` (or its
 suffix). What users' folders hold, and what happens to it:
 - images in any mode PIL reads (RGB, RGBA and LA on white, palette, 1-bit, 16-bit scaled to 8), as PNG, JPEG,
-  BMP, GIF or WebP: read as 8-bit grayscale; another size: resized to data.width × data.height. Each such
+  BMP, GIF or WebP: read as 8-bit grayscale, or 8-bit RGB where data.channels is 3; another size: resized to
+  data.width × data.height. Each such
   conversion is one line of `FolderFacts`/notes, stated on the console and logged with the sweep.
 - labels in the other case than data.charset's letters (`a3bd` with the default uppercase charset): read in the
   charset's case, stated likewise. Any other label the charset or data.length cannot take: one error line naming
@@ -15,7 +16,7 @@ suffix). What users' folders hold, and what happens to it:
 Decoding ~50,000 files takes a while (benchmarks/RESULTS.md, folder_scale): the decoded images are cached under
 the user cache directory, keyed by the folder's listing (names, sizes, modification times) and the image size,
 so a second sweep on an unchanged folder decodes nothing; a changed file makes a new cache (the old one of that
-image size goes; specs that read the folder at other sizes keep theirs).
+image size and channels goes; specs that read the folder at other sizes or in other channels keep theirs).
 """
 
 from __future__ import annotations
@@ -171,19 +172,19 @@ def _bad_labels(wrong_length: list, outside: list, total: int, length: int, allo
 
 
 def read_folder(folder: Path, charset: str, length: int, width: int, height: int, key: str = "data.train_dir",
-                progress: ProgressFn | None = None) -> FolderImages:
-    """Every image of a folder, decoded to (N, height, width) uint8 grayscale with its label (or read from the
-    cache of an earlier decode of the same listing). Bad labels and files that do not decode are one error line
-    each, naming up to five files."""
+                progress: ProgressFn | None = None, channels: int = 1) -> FolderImages:
+    """Every image of a folder, decoded to (N, height, width) uint8 grayscale (channels 1) or (N, height, width, 3)
+    RGB (channels 3) with its label (or read from the cache of an earlier decode of the same listing). Bad labels
+    and files that do not decode are one error line each, naming up to five files."""
     folder = Path(folder)
     entries, ignored = list_folder(folder, key)
     labels, folded, fold = read_labels(entries, charset, length, folder, key)
-    path = _cache_path(folder, entries, width, height)
+    path = _cache_path(folder, entries, width, height, channels)
     cached = _load_cache(path)
     if cached is None:
-        images, hashes, counts = _decode_all(folder, entries, width, height, key, progress or quiet)
+        images, hashes, counts = _decode_all(folder, entries, width, height, key, progress or quiet, channels)
         if save_npz(path, images=images, hashes=hashes, counts=np.array(json.dumps(counts))):
-            kind = path.name.rsplit("-", 1)[0]  # this folder at this image size: its older listings go
+            kind = path.name.rsplit("-", 1)[0]  # this folder at this image size and channels: its older listings go
             for stale in path.parent.glob(f"{kind}-*.npz"):
                 if stale != path:
                     stale.unlink(missing_ok=True)
@@ -196,12 +197,15 @@ def read_folder(folder: Path, charset: str, length: int, width: int, height: int
     return FolderImages(CaptchaArrays(images, labels), [e.name for e in entries], hashes, facts)
 
 
-def _cache_path(folder: Path, entries: list[Entry], width: int, height: int) -> Path:
-    """`<cache>/folders/<folder's path digest>-<W>x<H>-<listing digest>.npz`: a new listing (a file added, removed,
-    rewritten or touched) is a new file; another image size is another file beside it (two specs on one folder)."""
+def _cache_path(folder: Path, entries: list[Entry], width: int, height: int, channels: int = 1) -> Path:
+    """`<cache>/folders/<folder's path digest>-<W>x<H>[xC]-<listing digest>.npz`: a new listing (a file added,
+    removed, rewritten or touched) is a new file; another image size or channel count is another file beside it
+    (two specs on one folder). Grayscale keeps the name it always had (the caches made before RGB stay valid)."""
     where = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
-    listing = json.dumps([DECODER_VERSION, width, height, [(e.name, e.size, e.mtime_ns) for e in entries]])
-    return cache_dir() / "folders" / f"{where}-{width}x{height}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.npz"
+    listing = json.dumps([DECODER_VERSION, width, height, [(e.name, e.size, e.mtime_ns) for e in entries]]
+                         + ([channels] if channels != 1 else []))
+    size = f"{width}x{height}" + (f"x{channels}" if channels != 1 else "")
+    return cache_dir() / "folders" / f"{where}-{size}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.npz"
 
 
 def _load_cache(path: Path) -> tuple[np.ndarray, np.ndarray, dict] | None:
@@ -215,16 +219,17 @@ def _load_cache(path: Path) -> tuple[np.ndarray, np.ndarray, dict] | None:
         return None
 
 
-def _decode_all(folder: Path, entries: list[Entry], width: int, height: int, key: str, progress: ProgressFn):
+def _decode_all(folder: Path, entries: list[Entry], width: int, height: int, key: str, progress: ProgressFn,
+                channels: int = 1):
     """Decode every file in threads (PIL decodes without the GIL), with progress; (images, pixel hashes, counts)."""
-    images = np.empty((len(entries), height, width), dtype=np.uint8)
+    images = np.empty((len(entries), height, width) + ((channels,) if channels > 1 else ()), dtype=np.uint8)
     hashes = np.empty(len(entries), dtype=np.uint64)
     facts: list[tuple[str, str, str] | None] = [None] * len(entries)
     unreadable: list[str] = []
 
     def decode(i: int) -> None:
         try:
-            images[i], facts[i] = decode_image(folder / entries[i].name, width, height)
+            images[i], facts[i] = decode_image(folder / entries[i].name, width, height, channels)
         except Exception as e:  # whatever fails to decode is the file's fault: named in the error line
             unreadable.append(f"{entries[i].name} ({_why(e)})")
             return
@@ -259,18 +264,20 @@ def _why(e: Exception) -> str:
     return f"{type(e).__name__}: {text}"
 
 
-# how each stored mode becomes 8-bit grayscale, as the notes say it
-MODE_NAMES = {"RGB": "RGB", "RGBA": "RGBA (on white)", "LA": "gray + alpha (on white)", "P": "palette",
-              "PA": "palette + alpha (on white)", "1": "1-bit", "I;16": "16-bit", "I;16B": "16-bit", "I;16L": "16-bit",
-              "I;16N": "16-bit", "I": "16/32-bit integer", "CMYK": "CMYK", "F": "32-bit float"}
+# how each stored mode becomes 8-bit grayscale (or RGB), as the notes say it
+MODE_NAMES = {"L": "grayscale", "RGB": "RGB", "RGBA": "RGBA (on white)", "LA": "gray + alpha (on white)",
+              "P": "palette", "PA": "palette + alpha (on white)", "1": "1-bit", "I;16": "16-bit", "I;16B": "16-bit",
+              "I;16L": "16-bit", "I;16N": "16-bit", "I": "16/32-bit integer", "CMYK": "CMYK", "F": "32-bit float"}
 
 
-def decode_image(path: Path, width: int, height: int) -> tuple[np.ndarray, tuple[str, str, str]]:
-    """One file as (height, width) uint8 grayscale, and (format, stored mode, stored W×H).
+def decode_image(path: Path, width: int, height: int, channels: int = 1) -> tuple[np.ndarray, tuple[str, str, str]]:
+    """One file as (height, width) uint8 grayscale, or (height, width, 3) RGB with `channels` 3, and (format,
+    stored mode, stored W×H).
 
     Transparency is laid on white: captchas draw dark characters, and a transparent background read as black
     would hide them. 16-bit values are scaled to 8 bits (PIL's own conversion clips them at 255, so a 16-bit image
     with a transparent value (its tRNS chunk) is scaled first and only the pixels of that value made white)."""
+    mode_out = "RGB" if channels == 3 else "L"
     from PIL import Image
 
     with Image.open(path) as im:
@@ -286,9 +293,11 @@ def decode_image(path: Path, width: int, height: int) -> tuple[np.ndarray, tuple
             gray = Image.fromarray(scaled)
         elif mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
             white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-            gray = Image.alpha_composite(white, im.convert("RGBA")).convert("L")
+            gray = Image.alpha_composite(white, im.convert("RGBA")).convert(mode_out)
         else:
-            gray = im.convert("L")
+            gray = im.convert(mode_out)
+        if gray.mode != mode_out:  # a 16-bit image scaled to 8-bit gray, read as RGB
+            gray = gray.convert(mode_out)
         if gray.size != (width, height):
             gray = gray.resize((width, height), Image.Resampling.BILINEAR)
         return np.asarray(gray), (fmt, mode, f"{size[0]}×{size[1]}")

@@ -53,27 +53,30 @@ def _image_rng(seed: int, split: str, index: int) -> random.Random:
 
 
 def _render_range(args) -> tuple[int, np.ndarray, np.ndarray]:
-    start, stop, seed, split, charset, length, width, height = args
+    start, stop, seed, split, charset, length, width, height, channels = args
     from captcha.image import ImageCaptcha
 
     generator = ImageCaptcha(width=width, height=height)
-    images = np.empty((stop - start, height, width), dtype=np.uint8)
+    images = np.empty((stop - start, height, width) + ((3,) if channels == 3 else ()), dtype=np.uint8)
     labels = np.empty((stop - start, length), dtype=np.uint8)
     for j, i in enumerate(range(start, stop)):
         rng = _image_rng(seed, split, i)
         text = "".join(rng.choice(charset) for _ in range(length))
-        images[j] = np.asarray(render_captcha(generator, text, rng).convert("L"))
+        images[j] = np.asarray(render_captcha(generator, text, rng).convert("RGB" if channels == 3 else "L"))
         labels[j] = encode_label(text, charset)
     return start, images, labels
 
 
-def _synthetic_path(split: str, size: int, seed: int, charset: str, length: int, width: int, height: int) -> Path:
+def _synthetic_path(split: str, size: int, seed: int, charset: str, length: int, width: int, height: int,
+                    channels: int = 1) -> Path:
     import captcha
 
     key = dict(
         v=GENERATOR_VERSION, captcha=getattr(captcha, "__version__", "?"), split=split, size=size, seed=seed,
         charset=charset, length=length, width=width, height=height,
     )
+    if channels != 1:  # grayscale keeps the key it always had (its caches stay valid)
+        key["channels"] = channels
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / f"synthetic-{split}-{size}-{digest}.npz"
 
@@ -81,23 +84,25 @@ def _synthetic_path(split: str, size: int, seed: int, charset: str, length: int,
 def synthetic_cached(cfg) -> bool:
     """Whether a `DataConfig`'s synthetic set is rendered already (reading it is then instant)."""
     s, shape = cfg.synthetic, (cfg.charset, cfg.length, cfg.width, cfg.height)
-    return all(_synthetic_path(split, size, s.seed, *shape).is_file()
+    return all(_synthetic_path(split, size, s.seed, *shape, cfg.channels).is_file()
                for split, size in (("train", s.train_size), ("val", s.val_size)))
 
 
 def synthetic_split(
     split: str, size: int, seed: int, charset: str, length: int, width: int, height: int,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | None = None, channels: int = 1,
 ) -> CaptchaArrays:
-    """`size` seeded captchas for `split`, rendered in parallel once, then read from the cache."""
-    path = _synthetic_path(split, size, seed, charset, length, width, height)
+    """`size` seeded captchas for `split` (grayscale, or RGB with `channels` 3: the same captchas, drawn in colour),
+    rendered in parallel once, then read from the cache."""
+    path = _synthetic_path(split, size, seed, charset, length, width, height, channels)
     if path.is_file():
         with np.load(path) as cached:
             return CaptchaArrays(cached["images"], cached["labels"])
-    images = np.empty((size, height, width), dtype=np.uint8)
+    images = np.empty((size, height, width) + ((3,) if channels == 3 else ()), dtype=np.uint8)
     labels = np.empty((size, length), dtype=np.uint8)
     chunk = 256
-    tasks = [(a, min(a + chunk, size), seed, split, charset, length, width, height) for a in range(0, size, chunk)]
+    tasks = [(a, min(a + chunk, size), seed, split, charset, length, width, height, channels)
+             for a in range(0, size, chunk)]
     report, label, done = progress or quiet, f"generating synthetic {split} captchas", 0
     report(label, 0, size)
     workers = min(len(tasks), os.cpu_count() or 1)
@@ -115,8 +120,8 @@ def synthetic_split(
 def synthetic_data(cfg, progress: ProgressFn | None = None) -> CaptchaData:
     s = cfg.synthetic
     shape = (cfg.charset, cfg.length, cfg.width, cfg.height)
-    train = synthetic_split("train", s.train_size, s.seed, *shape, progress=progress)
-    val = synthetic_split("val", s.val_size, s.seed, *shape, progress=progress)
+    train = synthetic_split("train", s.train_size, s.seed, *shape, progress=progress, channels=cfg.channels)
+    val = synthetic_split("val", s.val_size, s.seed, *shape, progress=progress, channels=cfg.channels)
     return CaptchaData(train, val, source=f"synthetic (seed {s.seed}, {s.train_size} train / {s.val_size} val)")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raysweep import layout
 from raysweep.failures import ERROR, INFRA, OOM, died, find_cause
@@ -32,6 +32,7 @@ class SlotPlan:
     node_id: str  # the trial drivers' node (cluster.trial_driver_node): the broker, slot hosts and their controllers
     store_wait_s: float = 300.0  # mlflow.retry_s: how long a slot waits for the store before a checkpoint
     keep_warm_s: float | None = None  # tune.keep_warm_s: an idle slot with nothing queued leaves after this long
+    code: dict = field(default_factory=dict)  # the user's model code: usercode.ship's runtime_env ({} for none)
 
 
 @functools.cache
@@ -55,7 +56,7 @@ class SlotHost:
                      [_error_forwarder(broker, slot_id)], env=plan.env, worker_fn=slot_worker,
                      extra_config={"broker": broker, "slot": slot_id, "decision_wait_s": DECISION_WAIT_S,
                                    "store_wait_s": plan.store_wait_s},
-                     compile_cache=plan.compile_cache,
+                     compile_cache=plan.compile_cache, code=plan.code,
                      # restarts are counted by the broker: per trial, and set-ups that fail in a row per slot
                      max_failures=-1).fit()
 
@@ -75,7 +76,8 @@ class BrokerActor(Broker):
         me = ray.get_runtime_context().current_actor
         await wait_for_resources(group_resources(trial["scaling"]), f"slot {slot_id}", self._remove_orphans)
         host = actor_classes()[1].options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False)).remote()
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.plan.node_id, soft=False),
+            runtime_env=self.plan.code or None).remote()
         try:
             await host.run.remote(self.plan, slot_id, trial, me)
         finally:

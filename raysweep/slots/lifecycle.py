@@ -30,8 +30,10 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan, broker_clas
 
     broker_class = broker_class or actor_classes()[0]
     _BEFORE[experiment_path] = _slot_actor_ids()  # what close_broker waits to see gone is what starts after this
+    # the broker names the user's code (plan.code) for the whole sweep: Ray keeps the uploaded package while it lives
     broker = broker_class.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False)).remote(capacity, plan)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(plan.node_id, soft=False),
+        runtime_env=plan.code or None).remote(capacity, plan)
     _ACTIVE[experiment_path] = broker
     _WATCH[experiment_path] = [broker.watch.remote(), 0.0]
     return broker

@@ -22,6 +22,7 @@ from raysweep import layout, storage
 from raysweep.config import TrialConfig
 from raysweep.failures import INFRA, Failure
 from raysweep.metrics import EAGER_FALLBACK, report_dict
+from raysweep.models import resolve_on_worker
 from raysweep.protocol import Retire, Task
 from raysweep.worker import compile_cache
 from raysweep.worker.clock import ClockWriter
@@ -84,6 +85,9 @@ def start_rank(config: dict) -> Rank:
 
     quiet_ray_train_logs()
     ctx = ray.train.get_context()
+    # the model's code (shipped with the sweep) imports here, or the set-up fails naming the module and the node
+    resolve_on_worker(TrialConfig.from_dict(config["trial"]).model, ray.util.get_node_ip_address(),
+                      ray.get_runtime_context().get_node_id())
     device = ray.train.torch.get_device()
     setup_device(device)
     FAULTS.check_setup()
@@ -260,8 +264,8 @@ def train_epochs(run: TrainingRun, start_epoch: int, send, cache: str | None, on
         epoch = start_epoch
         while epoch <= run.epochs:  # run.epochs: under a time budget, fixed by the end of warmup (resolve_epochs)
             payload = report_dict(run.epoch(epoch), run.worker_params())
-            if run.net.eager_fallback:  # Dynamo refused a compile (a recompile limit): the driver warns and tags
-                payload[EAGER_FALLBACK] = 1
+            if run.net.eager_fallback:  # a compiled path ran eager (its reason's number): the driver warns and tags
+                payload[EAGER_FALLBACK] = run.net.eager_fallback
             trained = True
             if not send(payload, epoch) or run.stops_at_target:
                 break

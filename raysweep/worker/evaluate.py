@@ -37,9 +37,9 @@ def evaluate(model: nn.Module, shard: Shard, trial: TrialConfig, precision: str 
         for start in range(0, len(shard), batch):
             idx = torch.arange(start, min(start + batch, len(shard)), device=device)
             x, y = shard.batch(idx)
-            logits = model(x).float()
-            loss_sum += LOSS_FN(logits, y) * len(idx)
-            right = logits.view(-1, length, classes).argmax(-1) == shard.labels[idx]
+            logits = model(x).float().reshape(len(idx), length, classes)  # the model's (N, L, C) or (N, L × C)
+            loss_sum += LOSS_FN(logits.flatten(1), y) * len(idx)
+            right = logits.argmax(-1) == shard.labels[idx]
             chars += right.sum()
             exact += right.all(dim=1).sum()
     return EvalSums(loss_sum, len(shard), exact, chars, len(shard) * length)

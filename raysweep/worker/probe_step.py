@@ -57,13 +57,14 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
 
     def step() -> None:
         faults.FAULTS.check_oom(micro_batch)
-        x = model_input(torch.randint(0, 256, (micro_batch, img.height, img.width), dtype=torch.uint8, device=device))
+        stored = (micro_batch, img.height, img.width) + ((img.channels,) if img.channels > 1 else ())
+        x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8, device=device))
         labels = torch.randint(0, img.num_classes, (micro_batch, img.length), device=device)
         y = nn.functional.one_hot(labels, img.num_classes).flatten(1).float()
         model.train()
         with autocast(device, net.precision):
             logits = model(x)
-        scaler.scale(LOSS_FN(logits.float(), y)).backward()
+        scaler.scale(LOSS_FN(logits.float().flatten(1), y)).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), trial.train.grad_clip or math.inf)
         scaler.step(optimizer)

@@ -12,6 +12,7 @@ import torch
 
 from raysweep.config import TrialConfig
 from raysweep.metrics import EpochMetrics, WorkerParams, reached, to_target
+from raysweep.models import count_parameters
 from raysweep.optim import build_scheduler
 from raysweep.worker.device import device_name, release_host_memory
 from raysweep.worker.evaluate import evaluate
@@ -126,7 +127,8 @@ class TrainingRun:
 
     def worker_params(self) -> WorkerParams:
         return WorkerParams(device_name(self.net.device), self.net.precision, self.micro_batch,
-                            self.trial.accumulation_steps, self.downshifts, self.nodes, self.epochs)
+                            self.trial.accumulation_steps, self.downshifts, self.nodes, self.epochs,
+                            count_parameters(self.net.core))
 
     def resolve_epochs(self, metrics: EpochMetrics, pace_s: float) -> None:
         """Under train.time_budget_s: the epochs (at most train.epochs, at least the ones run) whose training seconds

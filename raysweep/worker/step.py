@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 import math
 from dataclasses import dataclass
 
@@ -18,14 +20,40 @@ import torch.distributed as dist
 from torch import nn
 
 from raysweep.config import TrialConfig
+from raysweep.metrics import CAPTURE_FAILED
 from raysweep.worker import faults
 from raysweep.worker.device import autocast, distributed, resolve_graphs
 from raysweep.worker.faults import TrialFailure
 from raysweep.worker.net import RankModel
 from raysweep.worker.shard import Shard, epoch_plan, plan_to_device
 
+log = logging.getLogger(__name__)
+
 LOSS_FN = nn.MultiLabelSoftMarginLoss()  # mean over batch and classes, on one-hot targets
 GRAPH_WARMUP_STEPS = 2  # eager steps before the capture: AdamW's state, cuDNN's algorithms, autograd's streams
+UNCAPTURABLE: set[str] = set()  # models (name and kwargs) whose step failed to capture in this process: run eager
+
+
+def _undo_capture(graph, generator, rng_before, device: torch.device) -> None:
+    """What a capture that failed midway leaves in the process, undone. The device's RNG stays in capture mode:
+    every later random op (the next trial's dropout, the probe's random batch) raised "Offset increment outside
+    graph capture encountered unexpectedly" (seen on an H200): its state from before the capture goes back. The
+    caching allocator keeps sending the capture stream's allocations to the graph's private pool and keeps the pool
+    (torch's CUDAGraph::capture_end, aten/src/ATen/cuda/CUDAGraph.cpp, ends both only after cudaStreamEndCapture
+    succeeds; seen on an H200: 798 MiB stayed reserved after the next trial): ended and released here, where this
+    torch has the calls (2.8 and later)."""
+    generator.graphsafe_set_state(rng_before)
+    index = device.index if device.index is not None else 0
+    end, release = getattr(torch._C, "_cuda_endAllocateToPool", None), getattr(torch._C, "_cuda_releasePool", None)
+    if end is not None and release is not None:
+        try:
+            pool = graph.pool()
+            end(index, pool)
+            release(index, pool)
+        except Exception as e:  # noqa: BLE001 - a capture that failed before it had a pool
+            log.debug("releasing a failed capture's memory pool: %s", e)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 @dataclass
@@ -63,6 +91,11 @@ class TrainStep:
         self.distributed = distributed()
         self.graphs = resolve_graphs(trial.train.cuda_graphs, device, net.precision,
                                      dist.get_world_size() if self.distributed else 1, micro_batch)
+        self.model_key = f"{trial.model.name} {json.dumps(trial.model.factory_kwargs(), sort_keys=True)}"
+        if self.graphs and self.model_key in UNCAPTURABLE:  # this process already failed to capture this model
+            self.graphs = False
+            self.clock.fell_back(CAPTURE_FAILED, f"{trial.model.name}'s step could not be captured as a CUDA graph in "
+                                                 f"an earlier trial of this process")
         self.noise = net.noise if net.noise is not None and net.noise.split(self.accum) > 1 else None
         # a CUDA graph holds the step as captured: with the meter where its pair comes free (DDP, micro-batches);
         # one rank's half-batch measurement runs eagerly on the steps it measures, between replays
@@ -106,9 +139,10 @@ class TrainStep:
         elif measure and not self.captured_measures:  # the half: this step eagerly, the graph's buffers untouched
             self.gradients(self.idx, True)
             self.update()
+        elif self.graph is None and not self._capture():  # the model cannot be captured: this step and the rest eager
+            self.gradients(self.idx, measure)
+            self.update()
         else:
-            if self.graph is None:
-                self._capture()
             self.graph.replay()
         watch.check(self.bad, epoch, step)
 
@@ -128,7 +162,7 @@ class TrainStep:
             with contextlib.nullcontext() if sync else model.no_sync():
                 with autocast(device, self.precision):
                     logits = model(x)
-                loss = LOSS_FN(logits.float(), y)
+                loss = LOSS_FN(logits.float().flatten(1), y)  # (N, length, classes) or flat: one row per image
                 if self.fault is not None:
                     loss = loss * self.fault
                 scaler.scale(loss / accum).backward()
@@ -172,7 +206,7 @@ class TrainStep:
         with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
             with autocast(device, self.precision):
                 logits = model(x[:half])
-            self.scaler.scale(LOSS_FN(logits.float(), y[:half])).backward()
+            self.scaler.scale(LOSS_FN(logits.float().flatten(1), y[:half])).backward()
         self.noise.add_half([p.grad for p in self.params if p.grad is not None])
         for p, g in zip(self.params, grads):
             p.grad = g
@@ -196,17 +230,38 @@ class TrainStep:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.eager_steps += 1
 
-    def _capture(self) -> None:
-        """Record one whole step (gradients and update) as a CUDA graph; its time counts as compile time."""
+    def _capture(self) -> bool:
+        """Record one whole step (gradients and update) as a CUDA graph; its time counts as compile time. False:
+        the step cannot be captured (a model that syncs with the host in its forward, `.item()`, a shape read from a
+        tensor, ...): the trial's steps run eagerly from now on, recorded (metrics.CAPTURE_FAILED), and this
+        process captures that model no more (UNCAPTURABLE). The failed capture wrote nothing the eager steps read:
+        gradients are zeroed before every step, and the update reads the gradients only after a completed
+        backward."""
+        graph = torch.cuda.CUDAGraph()
+
         def capture():
-            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.gradients(self.idx, self.captured_measures)
                 self.update()
-            return graph
 
-        self.graph = self.clock.time(capture)
+        generator = torch.cuda.default_generators[self.device.index if self.device.index is not None else 0]
+        rng_before = generator.clone_state()
+        try:
+            self.clock.time(capture)
+        except Exception as e:  # CUDA's capture errors are RuntimeErrors like any other
+            _undo_capture(graph, generator, rng_before, self.device)
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            self.graphs = False
+            UNCAPTURABLE.add(self.model_key)
+            self.optimizer.zero_grad(set_to_none=True)
+            text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            self.clock.fell_back(CAPTURE_FAILED, f"the step could not be captured as a CUDA graph: "
+                                                 f"{type(e).__name__}: {text}")
+            return False
+        self.graph = graph
         self.graph_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        return True
 
     def sums(self, samples: int, steps: int) -> TrainSums:
         """The epoch's sums, copied out of the buffers the next epoch overwrites."""
