@@ -33,7 +33,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from raysweep.metrics import FINISHED, PRUNED, ConfirmationRecord, RunRecord, SweepRecord
+from raysweep.metrics import (
+    FINISHED,
+    MODEL_FACTORY,
+    MODEL_KWARGS,
+    MODEL_PARAMETERS,
+    PRUNED,
+    ConfirmationRecord,
+    RunRecord,
+    SweepRecord,
+)
 from raysweep.metrics import names as M
 from raysweep.optim import LR_RULE_POWER
 
@@ -68,6 +77,15 @@ class Recipe:
     time_budget_s: float | None  # train.time_budget_s: training seconds (then `epochs` is the cap)
     precision: str
     grad_clip: float | None
+    model: dict = field(default_factory=dict)  # the network it is for: factory, kwargs, parameters (model_of)
+
+    @property
+    def model_line(self) -> str:
+        """`mynet:build(width=8), 20,812 trainable parameters`: which network the recipe is for."""
+        m = self.model
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in (m.get("kwargs") or {}).items())
+        count = f", {m['parameters']:,} trainable parameters" if m.get("parameters") else ""
+        return f"{m.get('factory', '?')}({kwargs}){count}"
 
     @property
     def schedule(self) -> str:
@@ -165,7 +183,7 @@ class Answer:
             "confirmed": self.confirmed.as_dict() if self.confirmed else None,
             "lr_rule": r.lr_rule, "reference_batch_size": r.reference_batch_size, "schedule": r.schedule,
             "min_lr": r.min_lr, "epochs": r.epochs, "time_budget_s": r.time_budget_s, "precision": r.precision,
-            "grad_clip": r.grad_clip, "expected": asdict(self.expected), "trial_id": self.trial_id,
+            "grad_clip": r.grad_clip, "model": r.model, "expected": asdict(self.expected), "trial_id": self.trial_id,
             "trials": self.trials, "tau": self.tau, "confirm_command": self.confirm_command, "notes": list(self.notes),
             "confirmations": [c.as_dict() for c in self.confirmations],
         }
@@ -177,8 +195,8 @@ class Answer:
             "global_batch": r.global_batch, "per_gpu_batch_size": r.per_gpu_batch_size, "num_workers": r.num_workers,
             "grad_accum_steps": r.grad_accum_steps, "peak_lr": r.peak_lr, "base_lr": r.base_lr,
             "lr_rule": r.lr_rule, "warmup_epochs": r.warmup_epochs, "weight_decay": r.weight_decay,
-            "schedule": r.schedule, "ran": self.ran, "predicted": self.predicted, "trial_id": self.trial_id,
-            "lr_fit": self.lr_fit.supports}.items()}
+            "schedule": r.schedule, "model": r.model_line, "ran": self.ran, "predicted": self.predicted,
+            "trial_id": self.trial_id, "lr_fit": self.lr_fit.supports}.items()}
 
     def metrics(self) -> dict[str, float]:
         """The parent run's `answer.*` metrics (numbers only; a confirmation's where it ran)."""
@@ -255,7 +273,19 @@ def recipe_of(t: RunRecord, spec) -> Recipe:
                   t.number(M.peak_lr), t.number(M.base_lr), t.params.get(M.lr_rule, train.lr_rule),
                   int(t.number(M.reference_batch_size) or train.reference_batch_size), t.number(M.warmup_epochs),
                   t.number(M.weight_decay), train.min_lr, train.epochs, train.time_budget_s,
-                  t.params.get(M.precision_used, train.precision), train.grad_clip)
+                  t.params.get(M.precision_used, train.precision), train.grad_clip, model_of(t, spec))
+
+
+def model_of(t: RunRecord, spec) -> dict:
+    """The network a trial trained, as its run logged it (metrics.MODEL_FACTORY, ...; a store from before the
+    model plug-in: the spec's, the built-in CNN)."""
+    import json
+
+    kwargs = t.params.get(MODEL_KWARGS)
+    count = t.params.get(MODEL_PARAMETERS)
+    return {"factory": t.params.get(MODEL_FACTORY, spec.model.name),
+            "kwargs": json.loads(kwargs) if kwargs else spec.model.factory_kwargs(),
+            "parameters": int(count) if count else None}
 
 
 def _budget_words(t: RunRecord, spec) -> str:
@@ -450,7 +480,7 @@ def predict(record: SweepRecord, batch: int, spec_file: str | None, advice) -> A
         notes.append(f"weight decay from the answer's AdamW timescale τ = B/(ηλD) = {base.tau:.3g} over {samples:,.0f} "
                      f"training samples")
     recipe = Recipe(batch, per_gpu, r.num_workers, r.grad_accum_steps, lr, base_lr, rule, r.reference_batch_size,
-                    r.warmup_epochs, wd, r.min_lr, r.epochs, r.time_budget_s, r.precision, r.grad_clip)
+                    r.warmup_epochs, wd, r.min_lr, r.epochs, r.time_budget_s, r.precision, r.grad_clip, r.model)
     expected = _expected_at(record, base, batch, advice)
     if expected.samples and samples and expected.samples > samples:
         what = "the target" if expected.time_to_target_s is not None else f"{expected.metric} {expected.value:.4g}"

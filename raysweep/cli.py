@@ -158,9 +158,11 @@ def cmd_check(args) -> int:
     from raysweep.data import load_data
     from raysweep.data.describe import describe
     from raysweep.data.synthetic import synthetic_cached
+    from raysweep.models import check_spec_model
     from raysweep.sweep import static_batch_cap
 
     config = load_config(args.spec, args.overrides)
+    model = check_spec_model(config)  # the model builds and takes a step on the CPU, or one line says why not
     # the data as a sweep reads it (a folder decoded once, then from its cache); a synthetic set not rendered yet is
     # described from the spec alone (rendering 50,000 captchas is the sweep's first minutes, not check's)
     data = None
@@ -172,7 +174,8 @@ def cmd_check(args) -> int:
     seconds = tracking.epoch_seconds_by_batch(tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
                                               config.experiment_name)
     console.print_check(config, train_size, (rung_table(AshaPlan.of(config), config.trials.global_batches(), seconds),
-                                             seconds), describe(data, config.data.charset) if data else None)
+                                             seconds), describe(data, config.data.charset) if data else None,
+                        model)
     return 0
 
 

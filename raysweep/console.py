@@ -279,10 +279,11 @@ def print_where(experiment_path, tracking_uri: str, experiment: str, experiment_
 
 
 def print_check(config: SweepConfig, train_size: int, rungs: tuple[list, dict] | None = None,
-                data=None) -> None:
-    """`check`: the resolved spec, the derived values at the defaults (`train_size`: the training images), the data
-    (`data`: data.describe.DataDescription; None: the synthetic set, not rendered yet) and (`rungs`: rows and the
-    epoch seconds they came from) ASHA's rungs in both units."""
+                data=None, model=None) -> None:
+    """`check`: the resolved spec, the derived values at the defaults (`train_size`: the training images), the model
+    (`model`: models.ModelFacts, what its check found), the data (`data`: data.describe.DataDescription; None: the
+    synthetic set, not rendered yet) and (`rungs`: rows and the epoch seconds they came from) ASHA's rungs in both
+    units."""
     from raysweep.config import spec_yaml
 
     print(spec_yaml(config), end="")
@@ -291,6 +292,9 @@ def print_check(config: SweepConfig, train_size: int, rungs: tuple[list, dict] |
     for key in (M.global_batch_size, M.peak_lr, M.steps_per_epoch, M.samples_per_epoch, M.warmup_steps,
                 M.total_steps):
         print(f"#   {key}: {getattr(trial, key):.6g}")
+    if model is not None:
+        print(f"# model: {model.line()}; logits {model.output} for a batch of 2 (checked on the CPU: built, one "
+              f"forward and backward)")
     if data is not None:
         print_data_description(data)
     else:
@@ -459,6 +463,7 @@ def print_answer(answer, written: str | None = None) -> None:
           f"epoch{'s' if r.warmup_epochs != 1 else ''}, weight decay {r.weight_decay:.2e}")
     print(f"  recipe:   base_lr {r.base_lr:.3e} at reference batch {r.reference_batch_size} ({r.lr_rule} rule → "
           f"peak {r.peak_lr:.2e}); {r.schedule}; AdamW, {r.precision}, clip {r.grad_clip}")
+    print(f"  model:    {r.model_line} (the recipe is this network's: another network needs its own sweep)")
     expects = [f"{e.metric} {fmt(e.value)}" if e.value is not None else ""]
     if e.time_to_target_s is not None:
         expects.append(f"the target in {e.time_to_target_s:.1f} training seconds")

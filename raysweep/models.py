@@ -106,8 +106,8 @@ def resolve(factory: str | None, search: Sequence[Path] = ()) -> ModelFactory:
                             f"{'; it has ' + ', '.join(names) if names else ''}")
         found = getattr(found, part)
     if not callable(found):
-        raise UserError(f"{key}: {attr!r} in {module_name!r} is a {type(found).__name__}, not a function that makes "
-                        f"the model")
+        raise UserError(f"{key}: {attr!r} in {module_name!r} is not callable (a {type(found).__name__!r}); name the "
+                        f"function that makes the model")
     return found
 
 

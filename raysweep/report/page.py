@@ -89,7 +89,8 @@ def _answer(report, run_url: str) -> str:
     r, e, fit = a.recipe, a.expected, a.lr_fit
     kind = ("predicted (not yet run)" if a.trial_id is None else "predicted: its trial did not run the whole budget"
             if a.predicted else "ran")
-    rows = [("global batch", f"<b>{r.global_batch}</b> = per-GPU {r.per_gpu_batch_size} × {r.num_workers} workers × "
+    rows = [("model", f"<b>{html.escape(r.model_line)}</b> (the recipe is this network's)"),
+            ("global batch", f"<b>{r.global_batch}</b> = per-GPU {r.per_gpu_batch_size} × {r.num_workers} workers × "
                              f"{r.grad_accum_steps} accumulation"),
             ("peak LR", f"<b>{r.peak_lr:.3e}</b> (base_lr {r.base_lr:.3e} at reference batch {r.reference_batch_size}, "
                         f"{html.escape(r.lr_rule)} rule)"),
