@@ -19,6 +19,7 @@ validates a factory's name without it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,7 +102,8 @@ def resolve(factory: str | None, search: Sequence[Path] = ()) -> ModelFactory:
     found: Any = module
     for part in attr.split("."):
         if not hasattr(found, part):
-            names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:8]
+            names = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                           and getattr(v, "__module__", None) == module.__name__)[:10]  # its own functions
             raise UserError(f"{key}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no {attr!r}"
                             f"{'; it has ' + ', '.join(names) if names else ''}")
         found = getattr(found, part)

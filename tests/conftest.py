@@ -40,6 +40,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_MODELS = ROOT / "examples" / "models"  # users' models as factories: resnet:build, crnn:build
 WORKER_START_TIMEOUT_S = 15  # small, so the "cannot start" test waits 2 × 15 s, not minutes
 
 # `pytest -m quick` (CONTRIBUTING.md): every test that needs no Ray cluster, no machines made here and no GPU, but the

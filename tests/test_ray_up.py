@@ -26,6 +26,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -251,6 +252,30 @@ def test_a_sweep_on_a_shared_folder_runs_across_the_machines_and_its_driver_kill
     assert len(placed) == 3 and len({ip for _, ip in placed}) >= 2, placed  # 2 CPUs a machine: one group each
     # every trial's checkpoints are in the one folder every machine sees, wherever its ranks ran
     assert len(checkpoints()) == 3, sorted(str(p) for p in up.shared.rglob("*"))[:50]
+
+
+@pytest.mark.timeout(600)
+def test_a_model_only_the_head_has_trains_on_every_machine(up, tmp_path):
+    """A user's network in a folder of the head's home, not installed anywhere: the driver ships it with the sweep
+    (raysweep/usercode.py), the other machines import it, and the answer names it."""
+    head, *workers = up.hosts.hosts
+    project = head.home / "mymodel"
+    project.mkdir()
+    shutil.copy(ROOT / "examples" / "models" / "resnet.py", project / "head_only_net.py")
+    assert not any((w.home / "mymodel").exists() for w in workers)
+    command = (f"cd ~/mymodel && python -m raysweep tune ~/raysweep/search_spaces/quickstart.yaml --address auto "
+               f"{SMALL} --set tune.asha.grace_period=2 --set name=own-model --set storage_path={SHARED_RESULTS} "
+               f"--set model.factory=head_only_net:build --set model.kwargs.width=8")
+    done = up.exec(command, timeout=540)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert re.search(r"^plan: .*; model head_only_net:build\(width=8\): [\d,]+ trainable parameters$", out, re.M), out
+    placed = re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", out, re.M)
+    print("where each trial's ranks ran:\n" + "\n".join(f"  {trial} on {ip}" for trial, ip in placed))
+    assert len({ip for _, ip in placed}) >= 2, placed  # the machines without the folder trained it too
+    assert re.search(r"^  model:    head_only_net:build\(width=8\), [\d,]+ trainable parameters", out, re.M), out
+    answer = json.loads((up.shared / "results" / "own-model" / "report" / "answer.json").read_text())
+    assert answer["model"]["factory"] == "head_only_net:build" and answer["model"]["parameters"] > 0
 
 
 @pytest.mark.timeout(300)

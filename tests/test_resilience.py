@@ -296,10 +296,12 @@ def test_resumed_asha_refills_its_rungs_from_the_store_past_tunes_last_save(tmp_
 # A restart is exact: the rank code of a run restored from a checkpoint continues as the uninterrupted run would
 
 
-def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: int | None, folder: str) -> dict:
+def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: int | None, folder: str,
+                        factory: str | None = None) -> dict:
     """Four epochs of a 2-rank DDP run (dropout, warmup, accumulation, the noise meter); with `restart_after`,
     the run is checkpointed after that epoch, dropped and rebuilt from the checkpoint (start-up probe included),
-    as a restarted worker group does. Returns each epoch's train loss and the final weights."""
+    as a restarted worker group does. `factory`: a model of the user's (examples/models/) instead of the built-in
+    CNN. Returns each epoch's train loss and the final weights."""
     import torch
     from torch import nn
 
@@ -311,6 +313,10 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
     device = torch.device("cuda:0" if cuda else "cpu")
     trial = _trial(batch=16, accum=2, n=256, precision="bf16" if cuda else "fp32", dropout=0.3, epochs=4,
                    world=world, warmup=1)
+    if factory is not None:
+        from raysweep.config import ModelConfig
+
+        trial = trial.model_copy(update={"model": ModelConfig(factory=factory, kwargs={"width": 8})})
     data = _data(256)
 
     def started(state):
@@ -335,16 +341,23 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
     return {"losses": losses, "weights": weights}
 
 
-@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA device")])])
-def test_a_run_restored_from_its_checkpoint_continues_exactly_as_the_uninterrupted_run(device_type, tmp_path):
-    """The rank code of a worker restart and of `--resume` (the Ray paths are the sweep tests below). CPU: bitwise
+@pytest.mark.parametrize("device_type,factory", [("cpu", None), ("cpu", "resnet:build"), ("cpu", "crnn:build"),
+                                                 pytest.param("cuda", None, marks=[pytest.mark.gpu, pytest.mark.skipif(
+                                                     "not __import__('torch').cuda.is_available()",
+                                                     reason="needs a CUDA device")])])
+def test_a_run_restored_from_its_checkpoint_continues_exactly_as_the_uninterrupted_run(device_type, factory, tmp_path,
+                                                                                       monkeypatch):
+    """The rank code of a worker restart and of `--resume` (the Ray paths are the sweep tests below), for the
+    built-in CNN and for users' models (examples/models/: BatchNorm's running statistics, a GRU). CPU: bitwise
     (gloo sums two ranks, CPU kernels are deterministic at a fixed thread count). CUDA: cuDNN's backward may
     accumulate in any order, so 1e-3 relative: a restart that forgets AdamW moved epoch 3's loss by 10-20 %."""
+    from conftest import EXAMPLE_MODELS
     from ranks import run_ranks
 
-    twin = run_ranks(_run_with_a_restart, 2, device_type=device_type, restart_after=None, folder=str(tmp_path))[0]
-    restarted = run_ranks(_run_with_a_restart, 2, device_type=device_type, restart_after=2, folder=str(tmp_path))[0]
+    monkeypatch.syspath_prepend(str(EXAMPLE_MODELS))  # the spawned ranks start with this process's sys.path
+    kwargs = dict(device_type=device_type, folder=str(tmp_path), factory=factory)
+    twin = run_ranks(_run_with_a_restart, 2, restart_after=None, **kwargs)[0]
+    restarted = run_ranks(_run_with_a_restart, 2, restart_after=2, **kwargs)[0]
     exact = device_type == "cpu"
     for epoch, loss in twin["losses"].items():
         got = restarted["losses"][epoch]

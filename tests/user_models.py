@@ -92,7 +92,7 @@ def frozen(image):
 def breaks_in_forward(image):
     class Broken(TinyNet):
         def forward(self, x):
-            return x.view(x.shape[0], -1) @ torch.ones(3)  # view of a channels_last batch, and a wrong matmul
+            return x.reshape(x.shape[0], -1) @ torch.ones(3)  # a matmul of the wrong size
 
     return Broken(image)
 
