@@ -37,9 +37,16 @@ def no_cycle_collection():
             gc.enable()
 
 
-def _trained_run(device: torch.device, shards: tuple[Shard, Shard], **trial) -> TrainingRun:
-    """A trial as a warm slot runs it: built on the group's shards, probed, one epoch."""
-    run = TrainingRun.build(_trial(**{"n": len(shards[0]), "epochs": 1, **trial}), None, 0, 1, device, shards=shards)
+def _trained_run(device: torch.device, shards: tuple[Shard, Shard], factory: str | None = None,
+                 **trial) -> TrainingRun:
+    """A trial as a warm slot runs it: built on the group's shards, probed, one epoch. `factory`: a user's model
+    (tests/user_models.py) instead of the built-in CNN."""
+    config = _trial(**{"n": len(shards[0]), "epochs": 1, **trial})
+    if factory is not None:
+        from raysweep.config import ModelConfig
+
+        config = config.model_copy(update={"model": ModelConfig(factory=factory)})
+    run = TrainingRun.build(config, None, 0, 1, device, shards=shards)
     run.fit_in_memory()
     run.epoch(1)
     return run
@@ -58,18 +65,22 @@ def _held(run: TrainingRun) -> dict[str, weakref.ref]:
             "rank model": weakref.ref(net)}
 
 
-@pytest.mark.parametrize("accum, compile", [
-    pytest.param(1, False, id="half-batch"),  # one rank, no accumulation: the noise meter's half-batch backward
-    pytest.param(2, False, id="micro-batch-pairs"),
+@pytest.mark.parametrize("accum, compile, factory", [
+    pytest.param(1, False, None, id="half-batch"),  # one rank, no accumulation: the noise meter's half-batch backward
+    pytest.param(2, False, None, id="micro-batch-pairs"),
     # Dynamo's cache outlives the trial and must not hold it; micro-batch 8, as test_compile_limits.py compiles
     # it (Inductor's cache serves the one from the other)
-    pytest.param(2, True, id="compiled"),
+    pytest.param(2, True, None, id="compiled"),
+    # a user's model, compiled, and one whose compile fails (EagerOnFailure keeps the compiler's wrapper, never the
+    # trial)
+    pytest.param(2, True, "user_models:tiny", id="user-model-compiled"),
+    pytest.param(2, True, "user_models:uncompilable", id="user-model-compile-failed"),
 ])
-def test_a_finished_trial_is_freed_by_reference_counting_alone(accum, compile):
+def test_a_finished_trial_is_freed_by_reference_counting_alone(accum, compile, factory):
     device = torch.device("cpu")
     gc.collect()  # what earlier tests left in cycles is not this test's
     with no_cycle_collection():
-        run = _trained_run(device, _shards(device), batch=16, accum=accum, compile=compile)
+        run = _trained_run(device, _shards(device), factory, batch=16, accum=accum, compile=compile)
         held = _held(run)
         del run
         alive = sorted(name for name, ref in held.items() if ref() is not None)

@@ -181,4 +181,20 @@ class EagerOnFailure(nn.Module):
                 self._compiled.clear()
                 text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
                 self._clock.fell_back(COMPILE_FAILED, f"torch.compile of the model failed: {type(e).__name__}: {text}")
+                _drop_frames(e)
         return self.core(*args, **kwargs)
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Clear the frames of `error`'s tracebacks (and of the errors it chains): Dynamo's hold the module, its inputs
+    and the exception itself, a reference cycle that kept a finished trial's model, optimizer and step alive until
+    the cyclic collector ran (tests/test_slot_memory.py)."""
+    import traceback
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+            error.__traceback__ = None
+        error = error.__cause__ or error.__context__
