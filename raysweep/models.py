@@ -5,11 +5,11 @@
 `image` (config.ImageSpec) says what the images are and what to predict: `channels` (1 grayscale, 3 RGB),
 `height`, `width` (pixels), `length` (characters per captcha) and `num_classes` (characters in the charset). The
 module maps float images (N, channels, height, width) in [0, 1] to logits for every (position, character):
-(N, length, num_classes), or the same flattened, (N, length × num_classes). The batch comes laid out channels_last
-(NHWC in memory, the fast layout for convolutions on oneDNN and cuDNN): a forward that flattens it uses
-`reshape` or `flatten`, not `view`. The loss is raysweep's (a sigmoid cross-entropy per class,
-`nn.MultiLabelSoftMarginLoss`, on one-hot targets); so are the loop, the schedule, the optimizer, the precision,
-DDP, compile and CUDA graphs, the probe and the noise meter (worker/).
+(N, length, num_classes), or the same flattened, (N, length × num_classes). The batch comes in the layout of the
+model's own convolution weights: contiguous NCHW, PyTorch's default, or NHWC for a model made channels_last (as
+raysweep's CNN makes itself: worker/shard.wants_channels_last). The loss is raysweep's (a sigmoid cross-entropy per
+class, `nn.MultiLabelSoftMarginLoss`, on one-hot targets); so are the loop, the schedule, the optimizer, the
+precision, DDP, compile and CUDA graphs, the probe and the noise meter (worker/).
 
 The factory is named in the spec as `model.factory: "package.module:function"` (a built-in by its name:
 `captcha_cnn`, raysweep's CNN and the default). Torch is imported only where a model is built: the config
@@ -138,7 +138,7 @@ def check(model: ModelConfig, image: ImageSpec, search: Sequence[Path] = ()) -> 
     import torch
     from torch import nn
 
-    from raysweep.worker.shard import model_input
+    from raysweep.worker.shard import model_input, wants_channels_last
 
     factory = resolve(model.factory, search)
     key = f"model.factory: {model.name!r}"
@@ -157,14 +157,15 @@ def check(model: ModelConfig, image: ImageSpec, search: Sequence[Path] = ()) -> 
                         f"to train")
     shape = (CHECK_IMAGES, image.channels, image.height, image.width)
     stored = (CHECK_IMAGES, image.height, image.width) + ((image.channels,) if image.channels > 1 else ())
-    x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8))  # as the loop hands a batch over
+    x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8), wants_channels_last(module))  # as the loop does
     module.train()
     try:
         with torch.random.fork_rng(devices=[]):
             out = module(x)
     except Exception as e:
-        raise UserError(f"{key}: its forward on {CHECK_IMAGES} images of shape {shape} (float in [0, 1], "
-                        f"channels_last) raised {_one_line(e)}") from None
+        layout = "channels_last" if wants_channels_last(module) else "NCHW"
+        raise UserError(f"{key}: its forward on {CHECK_IMAGES} images of shape {shape} (float in [0, 1], {layout}) "
+                        f"raised {_one_line(e)}") from None
     if not isinstance(out, torch.Tensor):
         raise UserError(f"{key}: its forward returned a {type(out).__name__}; expected a tensor of logits "
                         f"({CHECK_IMAGES}, {image.length}, {image.num_classes}) or ({CHECK_IMAGES}, "

@@ -48,7 +48,7 @@ def user_models(monkeypatch):
     ("user_models:wrong_shape", r"returned logits of shape \(2, 3, 36\); expected \(2, 4, 36\) or \(2, 144\) "
                                 r"\(data.length 4 positions × 36 characters"),
     ("user_models:breaks_in_forward", r"its forward on 2 images of shape \(2, 1, 24, 64\) \(float in \[0, 1\], "
-                                      r"channels_last\) raised RuntimeError: size mismatch"),
+                                      r"NCHW\) raised RuntimeError: size mismatch"),
     ("user_models:with_unused", r"2 trainable parameter\(s\) get no gradient from the forward: spare.weight, "
                                 r"spare.bias; DDP refuses .* model.find_unused_parameters: true"),
     ("user_models:NOT_A_FUNCTION", r"'NOT_A_FUNCTION' in 'user_models' is not callable \(a 'int'\)"),
@@ -229,3 +229,42 @@ def test_a_parameter_without_a_gradient_trains_under_ddp_with_find_unused_parame
     monkeypatch.syspath_prepend(str(TESTS))
     r = run_ranks(_two_rank_epochs, 2, factory="user_models:with_unused", kwargs={}, find_unused=True)[0]
     assert all(math.isfinite(v) for v in r["losses"])
+
+
+_STRIDED_1X1 = """
+import sys
+sys.path.insert(0, {examples!r})
+import torch
+from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
+from raysweep.data import CaptchaArrays, CaptchaData
+from raysweep.worker.run import TrainingRun
+import numpy as np
+trial = TrialConfig(
+    knobs=Knobs(per_gpu_batch_size=16, base_lr=1e-3, warmup_epochs=0, weight_decay=1e-4, grad_accum_steps=1,
+                lr_rule="none"),
+    train=TrainConfig(epochs=1, precision="fp32"), model=ModelConfig(factory="resnet:build", kwargs={{"width": 8}}),
+    scaling=ScalingConfig(num_workers=1), image=ImageSpec(width=160, height=60, length=4, num_classes=36),
+    train_size=64)
+rng = np.random.default_rng(0)
+arrays = CaptchaArrays(rng.integers(0, 256, (64, 60, 160), dtype="uint8"), rng.integers(0, 36, (64, 4), dtype="uint8"))
+run = TrainingRun.build(trial, CaptchaData(arrays, arrays, "random"), 0, 1, torch.device("cpu"))
+run.fit_in_memory()
+print("loss", run.epoch(1).train_loss)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_residual_network_with_strided_1x1_shortcuts_trains_on_the_cpu_without_corrupting_memory():
+    """A 1×1 stride-2 convolution (every ResNet's shortcut) whose input is channels_last and has fewer channels than
+    oneDNN's block: its weight gradient wrote past oneDNN's workspace on this CPU (uxlfoundation/oneDNN#6035, open),
+    and the process died (`munmap_chunk(): invalid pointer`, a segfault) when raysweep handed every model its
+    batches channels_last. A user's model now gets them in the layout of its own weights (NCHW unless it made
+    itself channels_last). In a child process: the failure is the process's death."""
+    import subprocess
+
+    code = _STRIDED_1X1.format(examples=str(EXAMPLE_MODELS))
+    for attempt in range(3):  # a heap corruption does not always kill at once: three chances to show it
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, cwd=str(ROOT))
+        assert done.returncode == 0, (attempt, done.returncode, done.stderr[-2000:])
+        assert "loss" in done.stdout

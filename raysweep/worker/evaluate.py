@@ -25,8 +25,10 @@ class EvalSums:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, shard: Shard, trial: TrialConfig, precision: str = "fp32") -> EvalSums:
-    """Sums over the rank's validation shard: loss × n, exact matches, right characters."""
+def evaluate(model: nn.Module, shard: Shard, trial: TrialConfig, precision: str = "fp32",
+             channels_last: bool = True) -> EvalSums:
+    """Sums over the rank's validation shard: loss × n, exact matches, right characters (`channels_last`: the
+    model's layout, RankModel.channels_last)."""
     model.eval()
     device = shard.images.device
     length, classes = trial.image.length, trial.image.num_classes
@@ -36,7 +38,7 @@ def evaluate(model: nn.Module, shard: Shard, trial: TrialConfig, precision: str 
     with autocast(device, precision):
         for start in range(0, len(shard), batch):
             idx = torch.arange(start, min(start + batch, len(shard)), device=device)
-            x, y = shard.batch(idx)
+            x, y = shard.batch(idx, channels_last)
             logits = model(x).float().reshape(len(idx), length, classes)  # the model's (N, L, C) or (N, L × C)
             loss_sum += LOSS_FN(logits.flatten(1), y) * len(idx)
             right = logits.argmax(-1) == shard.labels[idx]

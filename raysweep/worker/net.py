@@ -19,6 +19,7 @@ from raysweep.optim import build_optimizer
 from raysweep.worker import compile_cache
 from raysweep.worker.device import resolve_compile, resolve_precision
 from raysweep.worker.noise_meter import GradNoiseMeter
+from raysweep.worker.shard import wants_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class RankModel:
     compiled: bool = False
     limit_hits_at_build: int = 0  # compile_cache.recompile_limit_hits() when the model was built
     clock: CompileClock | None = None  # None: a clock of its own
+    channels_last: bool = True  # batches laid out NHWC, the model's own layout (shard.wants_channels_last)
     _compiled_shapes: set = field(default_factory=set)  # micro-batch sizes the compiled step has met
     train_step: object = None  # step.TrainStep for the current shard and shape (its buffers, its CUDA graph)
 
@@ -122,7 +124,8 @@ class RankModel:
         optimizer = build_optimizer(core, trial.peak_lr, trial.knobs.weight_decay, device.type, capturable)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         return cls(model, core, optimizer, scaler, precision, device, noise, step_core, compiled,
-                   limit_hits_at_build=compile_cache.recompile_limit_hits(), clock=clock)
+                   limit_hits_at_build=compile_cache.recompile_limit_hits(), clock=clock,
+                   channels_last=wants_channels_last(core))
 
     def call_step(self, micro_batch: int, fn):
         """`fn()`, a call of the step's module at `micro_batch`; the compiled step's first call there compiles

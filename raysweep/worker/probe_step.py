@@ -58,7 +58,7 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
     def step() -> None:
         faults.FAULTS.check_oom(micro_batch)
         stored = (micro_batch, img.height, img.width) + ((img.channels,) if img.channels > 1 else ())
-        x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8, device=device))
+        x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8, device=device), net.channels_last)
         labels = torch.randint(0, img.num_classes, (micro_batch, img.length), device=device)
         y = nn.functional.one_hot(labels, img.num_classes).flatten(1).float()
         model.train()

@@ -158,7 +158,7 @@ class TrainingRun:
         target = self.trial.target
         if target is None or self.target_point is not None or self.to_target is not None:
             return
-        val = evaluate(self.net.core, self.val, self.trial, self.net.precision)
+        val = evaluate(self.net.core, self.val, self.trial, self.net.precision, self.net.channels_last)
         s = all_reduce_named({"loss": val.loss_sum, "samples": val.samples, "exact": val.exact, "chars": val.chars,
                               "char_total": val.char_total}, torch.distributed.ReduceOp.SUM, self.net.device)
         n = max(s["samples"], 1)
@@ -205,7 +205,7 @@ class TrainingRun:
         if cuda:
             torch.cuda.synchronize(device)  # once per epoch: make the timing honest
         train_time_s = time.perf_counter() - t0
-        val = evaluate(self.net.core, self.val, self.trial, self.net.precision)
+        val = evaluate(self.net.core, self.val, self.trial, self.net.precision, self.net.channels_last)
         epoch_time_s = time.perf_counter() - t0
         compile_s, self.compile_reported_s = self.net.compile_s - self.compile_reported_s, self.net.compile_s
         metrics = reduce_metrics(train, val, train_time_s=train_time_s, epoch_time_s=epoch_time_s,

@@ -87,9 +87,10 @@ class Shard:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch `idx`: model input and one-hot targets, sliced on the device (no host work)."""
-        return model_input(self.images[idx]), self.targets[idx]
+    def batch(self, idx: torch.Tensor, channels_last: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch `idx`: model input (in the model's layout: `model_input`) and one-hot targets, sliced on
+        the device (no host work)."""
+        return model_input(self.images[idx], channels_last), self.targets[idx]
 
 
 def rank_shards(data, num_classes: int, device: torch.device, rank: int, world_size: int) -> tuple[Shard, Shard]:
@@ -100,14 +101,33 @@ def rank_shards(data, num_classes: int, device: torch.device, rank: int, world_s
             Shard.build(data.val, num_classes, device, rank, world_size))
 
 
-def model_input(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, H, W) or (B, H, W, C) → float (B, C, H, W) in [0, 1], in the layout the convolution wants (NHWC).
+def wants_channels_last(model: nn.Module) -> bool:
+    """Whether `model`'s convolutions run NHWC: its 4-D weights are laid out channels_last, as raysweep's CNN makes
+    its own (model.captcha_cnn) and as `model.to(memory_format=torch.channels_last)` makes any. Weights whose
+    strides fit both layouts (a 1×1 kernel, one input channel) say nothing. Its batches come in that layout
+    (`model_input`)."""
+    last = torch.channels_last
+    told = [w for w in model.parameters() if w.dim() == 4 and w.is_contiguous() != w.is_contiguous(memory_format=last)]
+    return bool(told) and all(w.is_contiguous(memory_format=last) for w in told)
+
+
+def model_input(images: torch.Tensor, channels_last: bool = True) -> torch.Tensor:
+    """uint8 (B, H, W) or (B, H, W, C) → float (B, C, H, W) in [0, 1]: NHWC for a model whose convolutions run
+    NHWC (`channels_last`: `wants_channels_last`), else contiguous NCHW, PyTorch's default.
+
+    A model in NCHW is never handed NHWC batches: its convolutions would follow the input's layout, and oneDNN's
+    1×1 stride-2 weight gradient in NHWC with fewer channels than its block writes past its workspace
+    (uxlfoundation/oneDNN#6035: every ResNet's shortcut; a user's ResNet died of it on the CPU,
+    tests/test_models.py). For one channel, NCHW strides are the unsqueezed image's own: no copy either way.
 
     With one channel, (B, 1, H, W) holds the same bytes in NCHW and NHWC, and `contiguous(channels_last)` keeps
     the NCHW strides. cuDNN reads the layout from the strides, so it converted every batch to NHWC and back (on
     an H100 at batch 1024, compiled: 70.5 k images/s with the conversions, 82.0 k without); the NHWC strides
     say what the bytes already are. RGB images are stored HWC, so the same view (a permute) is NHWC already.
     """
+    if not channels_last:
+        x = images.permute(0, 3, 1, 2).contiguous() if images.dim() == 4 else images.unsqueeze(1)
+        return x.float().div_(255.0)
     if images.dim() == 4:  # (B, H, W, C): NHWC as stored
         return images.permute(0, 3, 1, 2).float().div_(255.0)  # `float()` keeps the strides
     x = images.unsqueeze(1)

@@ -84,7 +84,7 @@ class TrainStep:
         device = net.device
         self.model, self.optimizer, self.scaler, self.clock = net.model, net.optimizer, net.scaler, net.clock
         self.device, self.precision = device, net.precision
-        self.shard, self.micro_batch = shard, micro_batch
+        self.shard, self.micro_batch, self.channels_last = shard, micro_batch, net.channels_last
         self.accum = trial.accumulation_steps
         self.max_norm = trial.train.grad_clip if trial.train.grad_clip is not None else math.inf
         self.params = [p for p in net.model.parameters() if p.requires_grad]
@@ -154,7 +154,7 @@ class TrainStep:
         fp16 = scaler.is_enabled()
         step_loss = torch.zeros((), device=device) if fp16 else None
         for micro in range(accum):
-            x, y = self.shard.batch(idx[micro])
+            x, y = self.shard.batch(idx[micro], self.channels_last)
             # DDP all-reduces gradients in backward; skip it on all but the last micro-step
             sync = micro == accum - 1 or not hasattr(model, "no_sync")
             if noise is not None:
