@@ -10,19 +10,22 @@ controller's poll); a run's figure is (last stamp − first) ÷ intervals. The c
 it polls (every 0.2 s), so a single interval is off by up to 0.2 s while the span is off by that much
 only at its two ends (a median of intervals would pick one side of the poll grid).
 
-Two configurations, alternating bare / Ray within each repetition; ratios are of the medians over
-repetitions:
+Two configurations, alternating bare / Ray within each repetition. Each repetition's ratio pairs its own bare and
+Ray runs; the figure is the median of those paired ratios, printed with their spread (the lowest and highest): on
+a 2-vCPU VM one repetition's ratio moves ±12 % (0.89-1.13 in five repetitions of one run), so a figure from three
+repetitions can land anywhere in that band:
 - all cores: the worker holds both CPUs (2 threads), so Ray's own processes (raylet, GCS,
   dashboard, the Train controller and its helper actors) share those cores with training;
 - a core spare: the worker holds 1 CPU (1 thread; bare on 1 thread too, half the images so an
   epoch lasts about as long), so what is left is Ray Train's own per-epoch cost.
 fit() → first report (all cores) is the median over repetitions, each listed: the first on a fresh
 cluster also starts Ray's AutoscalingCoordinator (one per cluster); later ones are what every
-further trial of a sweep pays.
+further trial of a sweep pays. Where the CPU goes during the Ray trial's steady epochs (all cores, every process
+of this benchmark's cluster, psutil): the worker's share and each of Ray's other processes'.
 Last lines: RESULT ray_overhead ratio=<Ray ÷ bare, all cores>, RESULT ray_overhead_spare_core
 ratio=<the same with a core spare>, RESULT ray_first_report_s value=<seconds>.
 
-    python benchmarks/ray_overhead.py            # 64×24 images, 8 epochs, 3 repetitions (~5 min)
+    python benchmarks/ray_overhead.py            # 64×24 images, 8 epochs, 5 repetitions (~8 min)
     python benchmarks/ray_overhead.py --quick    # seconds (CI)
     python benchmarks/ray_overhead.py --timeline # which processes a trial starts, when, at what CPU cost
 """
@@ -81,9 +84,59 @@ def bare(config, data) -> list[float]:
     return times
 
 
-def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[list[float], float, float, list[float]]:
+class CpuShare:
+    """CPU seconds of every process of this benchmark's cluster (its descendants: the raylet, the GCS, the
+    dashboard, the workers), sampled every 0.5 s while a trial runs, for a window between two report stamps."""
+
+    def __init__(self):
+        import threading
+
+        import psutil
+
+        self.me, self.samples, self.done = psutil.Process(), [], threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        import psutil
+
+        while not self.done.is_set():
+            row = {}
+            for p in self.me.children(recursive=True):
+                try:
+                    with p.oneshot():
+                        t = p.cpu_times()
+                        row[p.pid] = (" ".join(p.cmdline()) or p.name(), t.user + t.system)
+                except psutil.Error:  # a process that exited mid-walk
+                    pass
+            self.samples.append((time.time(), row))
+            self.done.wait(0.5)
+
+    def window(self, t0: float, t1: float) -> tuple[float, list[tuple[float, str]]]:
+        """(seconds between the samples nearest t0 and t1, [(CPU seconds, process), ...] most first)."""
+        self.done.set()
+        self.thread.join()
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        used = [(cpu - a[1][pid][1], name) for pid, (name, cpu) in b[1].items() if pid in a[1]]
+        return b[0] - a[0], sorted(used, reverse=True)
+
+
+def process_label(cmdline: str) -> str:
+    """`ray::TrainController.run` → `TrainController`; a Python program by its script (`dashboard.py`, `agent.py`),
+    the others (raylet, gcs_server) by their program's name."""
+    if cmdline.startswith("ray::"):
+        return cmdline.split()[0][5:].split(".")[0]
+    words = cmdline.split()
+    script = next((w for w in words[1:] if w.endswith(".py")), None)
+    return (script or words[0]).rsplit("/", 1)[-1]
+
+
+def in_ray(config, data_ref, train_size: int, name: str, log: Path,
+           share: CpuShare | None = None) -> tuple[list[float], float, float, list[float]]:
     """The trial in a TorchTrainer: (seconds between reports, fit() → first report, the first epoch's own
-    time, the worker's own epoch times from epoch 2 on)."""
+    time, the worker's own epoch times from epoch 2 on). `share`: sampling the processes' CPU meanwhile (its
+    window is the reports' span)."""
     import ray.train
 
     from raysweep.cluster import make_trainer
@@ -103,10 +156,13 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path) -> tuple[lis
     stamps = [json.loads(line) for line in log.read_text().splitlines()]
     intervals = [b["t"] - a["t"] for a, b in zip(stamps, stamps[1:])]
     own = [s["epoch_time_s"] for s in stamps[1:]]
+    if share is not None:
+        share.span = share.window(stamps[0]["t"], stamps[-1]["t"])
     return intervals, stamps[0]["t"] - t_fit, stamps[0]["epoch_time_s"], own
 
 
-CONFIGS = {"all cores": (2, 2048), "a core spare": (1, 1024)}  # name: (CPUs for the worker, images)
+CORES = 2  # the local cluster's CPUs (ray.init's num_cpus): the CI and dev VMs' two
+CONFIGS = {"all cores": (CORES, 2048), "a core spare": (CORES - 1, 1024)}  # name: (CPUs for the worker, images)
 
 
 def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
@@ -183,6 +239,23 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
     print(f"{first:8.2f} {'':6s}  first report reaches the controller (the epoch itself {first_epoch:.2f} s)")
 
 
+def cpu_line(shares: list) -> None:
+    """Where the two cores went during the all-cores trials' reports: the worker's share, and the rest by process."""
+    if not shares:
+        return
+    span = sum(s for s, _ in shares)
+    by: dict[str, float] = {}
+    for _, used in shares:
+        for cpu, name in used:
+            by[process_label(name)] = by.get(process_label(name), 0.0) + cpu
+    worker = by.pop("RayTrainWorker", 0.0)
+    others = sorted(by.items(), key=lambda kv: -kv[1])
+    cores = CORES * span
+    print(f"CPU during the Ray trials' epochs (all cores, {span:.0f} s): the worker {100 * worker / cores:.1f} % of "
+          f"the {CORES} cores; Ray's other processes {100 * sum(by.values()) / cores:.1f} %: "
+          + ", ".join(f"{k} {100 * v / cores:.1f}" for k, v in others[:8] if v > 0))
+
+
 def main() -> int:
     from raysweep.cluster import worker_env
 
@@ -191,7 +264,7 @@ def main() -> int:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **worker_env()})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeline", action="store_true",
                    help="only: which processes a trial starts, when, at what CPU cost (two trials)")
     p.add_argument("--and-timeline", action="store_true",
@@ -204,7 +277,8 @@ def main() -> int:
     from raysweep.cluster import ray_init_kwargs
     from raysweep.data import load_data
 
-    runs = {name: {"bare": [], "ray": [], "own": [], "first": [], "first_epoch": []} for name in CONFIGS}
+    runs = {name: {"bare": [], "ray": [], "own": [], "first": [], "first_epoch": [], "ratio": []} for name in CONFIGS}
+    shares = []  # CpuShare windows of the all-cores trials
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         setups = {}
@@ -212,7 +286,7 @@ def main() -> int:
             config = spec(images // scale, epochs, tmp, cpus)
             setups[name] = (config, load_data(config.data))
         t0 = time.time()
-        ray.init(num_cpus=2, **ray_init_kwargs())
+        ray.init(num_cpus=CORES, **ray_init_kwargs())
         init_s = time.time() - t0
         refs = {name: ray.put(data) for name, (_, data) in setups.items()}
         if a.timeline or a.and_timeline:
@@ -232,10 +306,14 @@ def main() -> int:
                     r = runs[name]
                     b = bare(config, data)
                     r["bare"].append(statistics.mean(b[1:]))
+                    share = CpuShare() if name == "all cores" else None
                     intervals, first, first_epoch, own = in_ray(config, refs[name], len(data.train),
                                                                 f"overhead-{rep}-{config.scaling.cpus_per_worker}",
-                                                                tmp / "stamps.jsonl")
+                                                                tmp / "stamps.jsonl", share)
+                    if share is not None:
+                        shares.append(share.span)
                     r["ray"].append(statistics.mean(intervals))  # = (last stamp − first) / intervals
+                    r["ratio"].append(r["ray"][-1] / r["bare"][-1])
                     r["own"].append(statistics.mean(own))
                     r["first"].append(first)
                     r["first_epoch"].append(first_epoch)
@@ -251,18 +329,19 @@ def main() -> int:
     print(f"ray_overhead on {os.cpu_count()} CPUs, torch {torch.__version__}; 1 worker, gloo; images 64×24, batch 64, "
           f"{epochs} epochs × {repeats} repetitions; medians over repetitions")
     print(f"{'configuration':13s} {'images':>6s} {'bare s/epoch':>12s} {'Ray s/epoch':>11s} {'worker own':>10s} "
-          f"{'Ray ÷ bare':>10s} {'first report s':>14s}")
+          f"{'Ray ÷ bare':>10s} {'first report s':>14s}  (Ray ÷ bare: the median of each repetition's own; its spread)")
     for name, (_, images) in CONFIGS.items():
-        m = med[name]
+        m, ratios = med[name], runs[name]["ratio"]
         print(f"{name:13s} {images // scale:6d} {m['bare']:12.3f} {m['ray']:11.3f} {m['own']:10.3f} "
-              f"{m['ray'] / m['bare']:10.3f} {m['first']:14.1f}")
+              f"{m['ratio']:10.3f} {m['first']:14.1f}  ({min(ratios):.3f}-{max(ratios):.3f})")
+    cpu_line(shares)
     m = med["all cores"]
     print(f"fit() → first report, all cores: {m['first']:.1f} s median (each: "
           f"{', '.join(f'{f:.1f}' for f in runs['all cores']['first'])}); first epoch itself {m['first_epoch']:.1f} s, "
           f"so start-up {m['first'] - m['first_epoch']:.1f} s; ray.init() of the local cluster {init_s:.1f} s")
-    print(f"RESULT ray_overhead_spare_core ratio={med['a core spare']['ray'] / med['a core spare']['bare']:.3f}")
+    print(f"RESULT ray_overhead_spare_core ratio={med['a core spare']['ratio']:.3f}")
     print(f"RESULT ray_first_report_s value={m['first']:.2f}")
-    print(f"RESULT ray_overhead ratio={m['ray'] / m['bare']:.3f}")
+    print(f"RESULT ray_overhead ratio={m['ratio']:.3f}")
     return 0
 
 

@@ -48,8 +48,12 @@ def test_ray_overhead_quick_and_the_timeline_of_the_processes_a_trial_starts():
         assert "DatasetManager" not in table and "PreemptionWatcher" not in table
     assert re.fullmatch(r"RESULT \w+ (ratio|value)=\d+\.\d+", out.strip().splitlines()[-1])
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("all cores ", "a core spare "))]
-    assert [r[-6] for r in rows] == ["128", "64"]  # images per configuration (--quick)
-    assert all(float(v) > 0 for r in rows for v in r[-5:])  # bare, Ray, worker own, ratio, first report
+    assert [r[-7] for r in rows] == ["128", "64"]  # images per configuration (--quick)
+    assert all(float(v) > 0 for r in rows for v in r[-6:-1])  # bare, Ray, worker own, ratio, first report
+    assert all(re.fullmatch(r"\(\d+\.\d+-\d+\.\d+\)", r[-1]) for r in rows), rows  # the ratio's spread
+    # where the two cores went during the Ray trial's epochs: the worker, and Ray's other processes by name
+    assert re.search(r"^CPU during the Ray trials' epochs \(all cores, \d+ s\): the worker \d+\.\d % of the 2 cores; "
+                     r"Ray's other processes \d+\.\d %: .*TrainController", out, re.M), out
     assert re.search(r"^RESULT ray_overhead_spare_core ratio=\d+\.\d+$", out, re.M)
     assert re.search(r"^RESULT ray_first_report_s value=\d+\.\d+$", out, re.M)
 
