@@ -60,7 +60,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
 
     from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainConfig, TrialConfig
     from raysweep.data import CaptchaArrays, read_folder
-    from raysweep.model import build_model
+    from raysweep.models import build
     from raysweep.optim import build_optimizer, build_scheduler
     from raysweep.worker.device import keep_host_memory
     from raysweep.worker.net import RankModel
@@ -85,7 +85,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
 
     timed = trial(steps)
     torch.manual_seed(0)
-    model = build_model(timed.image, timed.model.dropout)
+    model = build(timed.model, timed.image)
     opt = build_optimizer(model, 1e-3, 1e-4, "cpu")
     sched = build_scheduler(opt, 1e-3, 1e-6, 0, 10 * steps)
     net = RankModel(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), precision, torch.device("cpu"))

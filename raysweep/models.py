@@ -134,9 +134,14 @@ def check(model: ModelConfig, image: ImageSpec, search: Sequence[Path] = ()) -> 
     on CHECK_IMAGES random images, as the loop does. Raises UserError, one line for each thing that would end every
     trial: a factory that raises, something that is not an nn.Module, a forward that raises or returns the wrong
     shape, no trainable parameter, a parameter left without a gradient (DDP refuses it on its second step) unless
-    model.find_unused_parameters is set."""
-    import torch
-    from torch import nn
+    model.find_unused_parameters is set; and one line if this environment has no torch."""
+    try:
+        import torch
+        from torch import nn
+    except ImportError as e:
+        raise UserError(f"the model check needs torch, and this Python ({sys.executable}) cannot import it: "
+                        f"{_one_line(e)}; install it first: pip install torch==2.13.0 (the README's first "
+                        f"command)") from None
 
     from raysweep.worker.shard import model_input, wants_channels_last
 

@@ -5,10 +5,11 @@ this machine's index, and runs under 3.10:
 - every file of the repository compiled (its syntax);
 - the sweep's driver-side tests of the quick tier (the spec, the search, the answer, the records, the report, the
   plan), with the repository on PYTHONPATH;
-- `raysweep check` on the quickstart's spec (Ray, MLflow and the config as the CLI loads them);
+- `raysweep check` on the quickstart's spec without torch: one line saying the model check needs it;
 - deploy/make_env.py, cluster.yaml's first setup command, making a working environment;
 - then, with torch 2.13.0 added (on PyPI its 3.10 builds for x86_64 are CUDA builds with their nvidia-* wheels,
-  several GB, which run on the CPU), a short sweep, `python -m raysweep tune`: its own local Ray, two trials of
+  several GB, which run on the CPU), `raysweep check` (Ray, MLflow, the config and the model as the CLI loads
+  them), a short sweep, `python -m raysweep tune`: its own local Ray, two trials of
   2 gloo workers each (the worker's torch code under 3.10), ASHA, MLflow on SQLite, the answer. An index that
   serves no such torch skips that test, saying so (pip's own words); any other failure fails it.
 vermin holds every file to 3.10 besides: it fails on any standard-library name or syntax newer than 3.10.
@@ -134,9 +135,13 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(env310, tmp_path):
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
     assert " passed" in ran.stdout and "error" not in ran.stdout.splitlines()[-1], ran.stdout[-2000:]
 
+    # the model check builds the network: without torch it ends in one line saying so, and nothing else
     checked = subprocess.run([python, "-m", "raysweep", "check", "search_spaces/quickstart.yaml"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env=env)
-    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+    lines = checked.stderr.strip().splitlines()
+    assert checked.returncode == 1 and len(lines) == 1, checked.stdout[-2000:] + checked.stderr[-2000:]
+    assert "the model check needs torch" in lines[0] and "pip install torch==2.13.0" in lines[0], lines
+    assert "# model:" not in checked.stdout, checked.stdout[-2000:]
 
     made = subprocess.run([env310.interpreter, str(ROOT / "deploy" / "make_env.py"), str(tmp_path / "node-env")],
                           capture_output=True, text=True, timeout=300)
@@ -158,6 +163,11 @@ def test_under_python_3_10_a_sweep_runs_end_to_end(env310, tmp_path):
         pytest.skip("this machine's package index serves no torch 2.13.0 for Python 3.10 (or not every nvidia-* "
                     f"wheel it needs): {installed.stderr.strip().splitlines()[-1]}")
     assert installed.returncode == 0, installed.stderr[-3000:]
+
+    checked = subprocess.run([python, "-m", "raysweep", "check", "search_spaces/quickstart.yaml"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+    assert "# model: captcha_cnn" in checked.stdout, checked.stdout[-2000:]
 
     spec = write_spec(tmp_path, tiny_spec(tmp_path, **SWEEP))
     log = tmp_path / "tune.log"

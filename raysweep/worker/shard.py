@@ -103,8 +103,8 @@ def rank_shards(data, num_classes: int, device: torch.device, rank: int, world_s
 
 def wants_channels_last(model: nn.Module) -> bool:
     """Whether `model`'s convolutions run NHWC: its 4-D weights are laid out channels_last, as raysweep's CNN makes
-    its own (model.captcha_cnn) and as `model.to(memory_format=torch.channels_last)` makes any. Weights whose
-    strides fit both layouts (a 1×1 kernel, one input channel) say nothing. Its batches come in that layout
+    its own (model.captcha_cnn) and as a module's own `.to(memory_format=torch.channels_last)` makes any. Weights
+    whose strides fit both layouts (a 1×1 kernel, one input channel) say nothing. Its batches come in that layout
     (`model_input`)."""
     last = torch.channels_last
     told = [w for w in model.parameters() if w.dim() == 4 and w.is_contiguous() != w.is_contiguous(memory_format=last)]
