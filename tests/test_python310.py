@@ -139,7 +139,7 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(env310, tmp_path):
     checked = subprocess.run([python, "-m", "raysweep", "check", "search_spaces/quickstart.yaml"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env=env)
     lines = checked.stderr.strip().splitlines()
-    assert checked.returncode == 1 and len(lines) == 1, checked.stdout[-2000:] + checked.stderr[-2000:]
+    assert checked.returncode == 2 and len(lines) == 1, checked.stdout[-2000:] + checked.stderr[-2000:]
     assert "the model check needs torch" in lines[0] and "pip install torch==2.13.0" in lines[0], lines
     assert "# model:" not in checked.stdout, checked.stdout[-2000:]
 
