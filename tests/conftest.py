@@ -54,9 +54,11 @@ NOT_QUICK_MODULES = ("test_benchmarks.py",)
 # interpreter (the `ray up` hosts, in namespaces of their own; the Python 3.10 environment) and wait on them much of
 # the time, and the benchmarks' scripts, each a process with a Ray of its own. The main lane: the rest, on its own
 # session Ray cluster. About 40 % of the 2 cores sat idle when one process ran them all (CONTRIBUTING.md has the
-# figures).
+# figures). test_gpu.py's CPU cases (no Ray: the loop, compile, two gloo ranks) run in the side lane too, to even
+# the lanes: in a fresh-clone run the main lane's tests took 3619 s, the side lane's 2910 s, test_gpu.py's 353 s.
 SIDE_LANE_MARKERS = ("hosts", "py310")
-SIDE_LANE_MODULES = ("test_benchmarks.py", "test_driver_scale.py")  # each a subprocess of its own, its own Ray
+SIDE_LANE_MODULES = ("test_benchmarks.py", "test_driver_scale.py",  # each a subprocess of its own, its own Ray
+                     "test_gpu.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py)
