@@ -12,7 +12,7 @@ import pytest
 
 from raysweep.cli import main
 
-from conftest import tiny_spec, write_spec
+from conftest import WORKER_START_TIMEOUT_S, tiny_spec, write_spec
 from test_resilience import _assert_twins, _children, _client, _final_weights, _losses, _steps, _wait_for
 
 
@@ -64,7 +64,9 @@ def test_a_sweep_that_finds_the_cluster_busy_waits_saying_for_what_then_runs(ray
         tmp_path, train={"epochs": 1, "reference_batch_size": 64}, search={"warmup_epochs": 0})))])), daemon=True)
     try:
         sweep.start()
-        time.sleep(20)  # longer than the worker group start-up wait (2 × 15 s would have failed it before)
+        # longer than the worker group start-up wait (conftest.WORKER_START_TIMEOUT_S): a group started now
+        # would have timed out
+        time.sleep(WORKER_START_TIMEOUT_S + 5)
         assert sweep.is_alive()
     finally:
         ray_cluster.kill(hog)
