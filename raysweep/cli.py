@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-GPU batches above N run as micro-batches ≤ N with more accumulation (same global batch)")
     p.add_argument("--confirm", action="store_true",
                    help="then run the sweep's answer on two seeds for its whole budget (as `confirm` does)")
+    _fail_above(p)
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("train", help="run one trial with every searched knob at its `default:`")
     _common(p)
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default=None, metavar="A,B",
                    help="train.seed of each run (default: the two after the spec's train.seed)")
     p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
+    _fail_above(p)
     p.set_defaults(func=cmd_confirm)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     p.add_argument("spec", help="sweep spec (YAML), e.g. search_spaces/quickstart.yaml")
@@ -85,11 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail_above(p) -> None:
+    p.add_argument("--fail-above", type=float, default=None, metavar="PCT",
+                   help="exit 1 when the confirmation's mean value misses the expected one by more than PCT percent "
+                        "(for CI); a confirmation with a seed that did not finish exits 1 with or without it")
+
+
+def _fail_fraction(args) -> float | None:
+    if args.fail_above is not None and not args.fail_above >= 0:
+        raise UserError(f"--fail-above {args.fail_above}: expected a percentage of 0 or more, e.g. --fail-above 5")
+    return None if args.fail_above is None else args.fail_above / 100
+
+
 def cmd_tune(args) -> int:
     from raysweep import sweep
     from raysweep.config import load_config
 
     config = load_config(args.spec, args.overrides)
+    fail_above = _fail_fraction(args)
+    if fail_above is not None and not args.confirm:
+        raise UserError(f"--fail-above {args.fail_above:g}: it judges the confirmation; add --confirm")
     if args.cap_batch is not None and args.cap_batch < 1:
         raise UserError(f"--cap-batch {args.cap_batch}: expected a positive per-GPU batch size")
     code = sweep.run(config, address=args.address, resume=args.resume, verbose=args.verbose,
@@ -98,7 +115,7 @@ def cmd_tune(args) -> int:
         from raysweep import confirm
 
         return confirm.run(config, address=args.address, verbose=args.verbose, progress_every_s=args.progress_every,
-                           cap_batch=args.cap_batch)
+                           cap_batch=args.cap_batch, fail_above=fail_above)
     return code
 
 
@@ -125,7 +142,7 @@ def cmd_confirm(args) -> int:
         if not seeds or len(set(seeds)) != len(seeds):
             raise UserError(f"--seeds {args.seeds!r}: give distinct seeds, e.g. --seeds 1,2")
     return confirm.run(config, args.batch, seeds, address=args.address, verbose=args.verbose,
-                       progress_every_s=args.progress_every)
+                       progress_every_s=args.progress_every, fail_above=_fail_fraction(args))
 
 
 def cmd_train(args) -> int:

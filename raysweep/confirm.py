@@ -5,7 +5,9 @@ its report (report.publish rebuilds them from the store, which now holds the con
 
 A confirmation runs the sweep's own spec as it logged it (data, model, scaling, the schedule, tune.target), with the
 recipe's knobs fixed; the spec given on the command line names the sweep (its experiment, store and storage_path).
-Its exit code is 0 whatever the comparison says (the comparison is the finding), 1 when no seed's run succeeded.
+Its exit code is 1 when a seed did not finish (the confirmation is partial: only finished seeds count) and, with
+`--fail-above PCT`, when the mean of the seeds misses the expected value by more than PCT percent; else 0 (a CI job
+can gate on it).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ def answer_for(config, batch: int | None):
 
 def show(config, batch: int | None) -> int:
     """`raysweep answer SPEC [--batch N]`: the sweep's answer, or the predicted recipe at global batch N."""
-    from raysweep import console
+    from raysweep.answer import show
 
     _, answer = answer_for(config, batch)
-    console.print_answer(answer)
+    show.print_answer(answer)
     return 0
 
 
@@ -65,18 +67,21 @@ def confirm_spec(record, config, recipe):
 
 
 def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, address: str | None = None,
-        verbose: bool = False, progress_every_s: float = 30.0, cap_batch: int | None = None) -> int:
+        verbose: bool = False, progress_every_s: float = 30.0, cap_batch: int | None = None,
+        fail_above: float | None = None) -> int:
     """`raysweep confirm SPEC [--batch N] [--seeds a,b]`: the answer (or the prediction at N) on each seed (default:
     the two after train.seed: the sweep's trials all ran train.seed), for its whole budget, outside ASHA; then each
     seed's measurement beside the prediction, and the sweep's answer.json, MLflow and report updated. `cap_batch`:
-    `tune --cap-batch`'s (else the sweep's search.per_gpu_batch_size.max, where a number)."""
-    from raysweep import console, report, sweep, tracking
+    `tune --cap-batch`'s (else the sweep's search.per_gpu_batch_size.max, where a number); `fail_above`: the
+    fraction the value may miss the expected by (the module's docstring: the exit code)."""
+    from raysweep import report, sweep, tracking
+    from raysweep.answer import show
 
     record, answer = answer_for(config, batch)
     seeds = tuple(seeds) if seeds else (config.train.seed + 1, config.train.seed + 2)
     spec, cap = confirm_spec(record, config, answer.recipe)
     r = answer.recipe
-    console.print_confirming(answer, seeds)
+    show.print_confirming(answer, seeds)
     confirming = sweep.Confirming(record.parent_run_id, seeds, json.dumps(asdict(answer.expected)), r.global_batch,
                                   r.peak_lr)
     code = sweep.run(spec, address=address, verbose=verbose, progress_every_s=progress_every_s,
@@ -89,7 +94,25 @@ def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, 
         sweep.in_store(config, lambda: tracking.log_confirmation(uri, mine), "the confirmation's figures")
     report_dir = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
     built = sweep.in_store(config, lambda: report.publish(again, report_dir, config.command_args), "the report")
-    console.print_confirmation(mine, answer, storage.join(report_dir, report.ANSWER_FILE))
+    show.print_confirmation(mine, answer, storage.join(report_dir, report.ANSWER_FILE))
     if built.answer is not None and built.answer.confirmed is not None and batch is None:
-        console.print_answer(built.answer)
-    return code
+        show.print_answer(built.answer)
+    return verdict(mine, answer.expected.value, record.mode, fail_above) if code == 0 else code
+
+
+def verdict(mine, expected: float | None, mode: str, fail_above: float | None) -> int:
+    """The exit code of a confirmation (`mine`: metrics.ConfirmationRecord, None: it left no run), with its line."""
+    from raysweep.answer.confirmations import miss
+
+    if mine is None or not mine.complete:
+        print("confirm: partial: a seed did not finish, so the confirmation does not measure the recipe (exit 1)")
+        return 1
+    if fail_above is None:
+        return 0
+    short = miss(mine.measured("value"), expected, mode)
+    if short is None or short > fail_above:
+        what = "no value to compare" if short is None else f"misses the expected value by {short:.1%}"
+        print(f"confirm: failed: the seeds' mean {what}, more than --fail-above {fail_above:.0%} allows (exit 1)")
+        return 1
+    print(f"confirm: passed: the seeds' mean is within {fail_above:.0%} of the expected value")
+    return 0

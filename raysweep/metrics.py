@@ -292,15 +292,28 @@ class ConfirmationRecord:
     predicted: dict  # metric, value, time_to_target_s, samples, seconds, source
     runs: list  # per seed: trial_id, seed, status, epoch, value, time_to_target_s, train_seconds, seconds_to_value
 
+    @property
+    def finished(self) -> list:
+        """The seeds' runs that ran their whole budget: the only ones a measurement counts (a diverged, stopped or
+        still running seed's last value is not the budget's)."""
+        return [r for r in self.runs if r.get("status") == FINISHED]
+
+    @property
+    def complete(self) -> bool:
+        """Every seed finished (none failed, was stopped or is still running)."""
+        return bool(self.runs) and len(self.finished) == len(self.runs)
+
     def measured(self, key: str) -> float | None:
-        """The mean over the seeds' runs of a figure (`value`, `time_to_target_s`, `seconds_to_value`); None when a
-        run lacks it (a seed that never reached the target: the mean would hide it)."""
-        values = [r.get(key) for r in self.runs]
+        """The mean over the finished seeds' runs of a figure (`value`, `time_to_target_s`, `seconds_to_value`);
+        None without a finished seed, or when one lacks it (a seed that never reached the target: the mean would
+        hide it)."""
+        values = [r.get(key) for r in self.finished]
         return sum(values) / len(values) if values and all(v is not None for v in values) else None
 
     def as_dict(self) -> dict:
         return {"parent_run_id": self.parent_run_id, "global_batch": self.global_batch, "peak_lr": self.peak_lr,
-                "predicted": self.predicted, "runs": self.runs,
+                "predicted": self.predicted, "runs": self.runs, "complete": self.complete,
+                "seeds_counted": [r.get("seed") for r in self.finished],
                 "measured": {k: self.measured(k) for k in ("value", "time_to_target_s", "seconds_to_value")}}
 
 

@@ -139,7 +139,8 @@ def test_the_lr_fit_finds_the_exponent_that_made_the_trials_and_the_rule_it_supp
     assert fit.supports == rule, (fit.exponent, fit.interval, fit.reason)
     low, high = fit.interval
     assert low <= exponent <= high and abs(fit.exponent - exponent) < 0.25
-    assert fit.budget == "epochs 2, 4, 6 (each trial at every one it reached)" and fit.trials == 40
+    assert fit.budget == ("ASHA's rungs at epochs 2, 4 and the end of each trial that ran its whole budget"
+                          ) and fit.trials == 40
     assert fit.batches == (32, 64, 128, 256)
     # the fitted best LR at a batch is the world's (B_noise 500 is past every batch here)
     assert fit.optimum(64) == pytest.approx(best_lr(64, exponent), rel=0.3)
@@ -183,7 +184,12 @@ def test_a_predicted_batch_gets_a_recipe_whose_numbers_add_up():
     r = at.recipe
     assert at.predicted and not at.ran and at.trial_id is None
     assert (r.global_batch, r.per_gpu_batch_size, r.num_workers, r.grad_accum_steps) == (512, 256, 2, 1)
-    assert r.peak_lr == pytest.approx(base.lr_fit.optimum(512))
+    # anchored at the answer: its LR moved along the exponent the check chose (B_noise 500 is past 256, so 512
+    # is held at B_noise's)
+    used = base.lr_fit.check.used
+    assert used in ("fit", "sqrt"), base.lr_fit.check  # the world's exponent is ½: keeping the LR loses the check
+    exponent = base.lr_fit.used_exponent
+    assert r.peak_lr == pytest.approx(base.recipe.peak_lr * (500 / base.recipe.global_batch) ** exponent)
     assert scaled_lr(r.base_lr, 512, r.reference_batch_size, r.lr_rule) == pytest.approx(r.peak_lr)
     # weight decay keeps the answer's AdamW timescale τ = B / (η λ D): D, 6 epochs of whole steps at 512
     samples = 6 * (TRAIN_SIZE // 512) * 512
@@ -223,6 +229,7 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     import json
 
     from raysweep import console, report
+    from raysweep.answer import show
 
     record = _sweep(n=40)
     built, _ = report.build(record, tmp_path / "report", spec_args="search_spaces/x.yaml --set train.epochs=6")
@@ -234,7 +241,7 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     assert page.index("id='answer'") < page.index('id="summary"')  # the answer first, the trials after it
     assert "Fastest" not in page and "fastest" not in page  # the batch table is evidence, not a second answer
     console.print_report(built)
-    console.print_answer(built.answer)
+    show.print_answer(built.answer)
     out = capsys.readouterr().out
     assert "<- fastest" not in out
     last = out[out.rindex("\nanswer (ran): "):]

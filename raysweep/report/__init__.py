@@ -199,6 +199,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     """`python -m raysweep report`: the newest sweep of a spec's experiment (or of --experiment), from the
     store alone (no Ray). Exit 0, or 2 (UserError) for an unknown experiment or an empty store."""
     from raysweep import console, tracking
+    from raysweep.answer import show
 
     if (spec is None) == (experiment is None):
         raise UserError("report: give a spec (e.g. search_spaces/quickstart.yaml) or --experiment NAME, not both")
@@ -216,5 +217,5 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     record = tracking.load_sweep(uri, experiment)
     report = publish(record, out or default_out, config.command_args if spec is not None else None)
     console.print_report(report)
-    console.print_answer(report.answer)
+    show.print_answer(report.answer)
     return 0

@@ -115,7 +115,7 @@ def _answer(report, run_url: str) -> str:
     for note in a.notes:
         rows.append(("note", html.escape(note)))
     if a.confirmed is not None:
-        from raysweep.console import confirmation_line
+        from raysweep.answer.show import confirmation_line
 
         rows.append(("confirmed", html.escape(confirmation_line(a.confirmed))))
     rows.append(("confirm it", f"<code>{html.escape(a.confirm_command)}</code> (two seeds, the whole budget, "

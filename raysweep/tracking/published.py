@@ -4,6 +4,7 @@ recommendation, and the probe's own run."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict
 from datetime import datetime
@@ -44,15 +45,20 @@ def log_answer(tracking_uri: str, run_id: str, answer) -> None:
     """The sweep's answer (`answer`: answer.Answer) on its parent run: `answer.*` params (the recipe, as text) and
     metrics (its numbers, the fit's exponent, a confirmation's measurements), and answer.json. MLflow's params never
     change once logged: where a later answer differs (a resumed sweep, a confirmation), the params keep the first
-    and the tag ANSWER_PARAMS_OUTDATED says so; the metrics and answer.json are always the current answer."""
+    and the tag ANSWER_PARAMS_OUTDATED says so; the metrics and answer.json are always the current answer, whole: a
+    metric this answer has no value for (no fit, no confirmation, no target) is logged NaN, so that no earlier
+    answer's figure stands beside it (MLflow keeps a metric's history; it cannot delete one)."""
     from mlflow.entities import Metric, Param, RunTag
+
+    from raysweep.answer import METRIC_KEYS
 
     client = mlflow_client(tracking_uri)
     held = client.get_run(run_id).data.params
     params = answer.params()
     changed = sorted(k for k, v in params.items() if k in held and held[k] != v)
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in answer.metrics().items()],
+    figures = {f"answer.{k}": math.nan for k in METRIC_KEYS} | answer.metrics()
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in figures.items()],
                      params=[Param(k, v) for k, v in params.items() if k not in held],
                      tags=[RunTag(ANSWER_PARAMS_OUTDATED, ", ".join(changed))] if changed else [])
     if not changed and ANSWER_PARAMS_OUTDATED in client.get_run(run_id).data.tags:

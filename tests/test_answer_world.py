@@ -1,0 +1,335 @@
+"""The answer in a made-up world that is *not* the fit's own model (raysweep/answer/): the best LR moves with the
+budget (2× higher early than at the end), the bowl is asymmetric with a divergence cliff, the sweep runs under a
+time budget whose trials end below ASHA's max_t, ASHA promotes on noisy values, and the clock of the budget counts
+evaluation that the throughput does not. Each test names the defect it pins; each failed on the answer before the
+fit read the trials' ends and the predictions were anchored at the answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from raysweep.metrics import ConfirmationRecord, RunRecord, SweepRecord, run_ending
+
+SPEC = """name: w
+scaling: {num_workers: 2, use_gpu: false, cpus_per_worker: 1}
+train: {epochs: 500, time_budget_s: 20, reference_batch_size: 64, lr_rule: sqrt, min_lr: 1.0e-6}
+search:
+  per_gpu_batch_size: {choice: [16, 32, 64, 128], default: 32}
+  base_lr: {loguniform: [1.0e-4, 1.0e-2], default: 1.0e-3}
+  warmup_epochs: 1
+  weight_decay: {loguniform: [1.0e-5, 1.0e-2], default: 1.0e-4}
+tune:
+  num_samples: 60
+  metric: val_loss
+  asha: {grace_period: 2, reduction_factor: 3, unit: seconds}
+"""
+TRAIN_SIZE, BUDGET_S, EVAL_SHARE = 4096, 20.0, 0.1  # train_seconds = training seconds × (1 + EVAL_SHARE)
+CLIFF = math.log(5.0)  # a peak LR 5× past the final best diverges
+
+
+def final_best(batch: float) -> float:
+    """The world's best peak LR at the end of the budget: 1e-3 at global batch 64, growing as √B."""
+    return 1e-3 * (batch / 64) ** 0.5
+
+
+def best_at(batch: float, progress: float) -> float:
+    """The best peak LR after `progress` (0 to 1) of the budget: 2× the final one at the start."""
+    return final_best(batch) * 2 ** (1 - progress)
+
+
+def value(batch: float, lr: float, progress: float, steeper: float = 3.0) -> float:
+    """A bowl in log LR, `steeper` times steeper above the best than below, better with training."""
+    d = math.log(lr / best_at(batch, progress))
+    return 0.2 + 0.3 / (1 + 5 * progress) + 0.01 * math.log2(batch / 32) + 0.05 * (1 if d < 0 else steeper) * d * d
+
+
+def rate(batch: float) -> float:
+    """Training samples/s (metrics' samples_per_s: training alone)."""
+    return 200.0 * batch ** 0.5
+
+
+def _trial(i, per_gpu, base_lr, wd, rng, steeper=3.0) -> dict:
+    """A trial's whole course under the budget, before ASHA cuts it: every epoch's report."""
+    batch = 2 * per_gpu
+    peak = base_lr * (batch / 64) ** 0.5
+    steps = TRAIN_SIZE // batch
+    epoch_s = steps * batch / rate(batch) * (1 + EVAL_SHARE)
+    resolved = int(BUDGET_S // epoch_s)
+    own = 0.003 * rng.standard_normal()
+    reports = []
+    for e in range(1, resolved + 1):
+        t = e * epoch_s
+        diverged = math.log(peak / final_best(batch)) > CLIFF
+        reports.append({"epoch": float(e), "train_seconds": t, "samples_seen": float(e * steps * batch),
+                        "samples_per_s": rate(batch), "grad_noise_scale": 400.0,
+                        "val_loss": math.nan if diverged else value(batch, peak, t / BUDGET_S, steeper) + own
+                        + 0.003 * rng.standard_normal()})
+        if diverged:
+            break
+    return {"i": i, "per_gpu": per_gpu, "base_lr": base_lr, "wd": wd, "peak": peak, "batch": batch,
+            "resolved": resolved, "reports": reports}
+
+
+def _asha(courses: list[dict], rungs=(2.0, 6.0, 18.0), keep=1 / 3) -> dict[int, int]:
+    """How many reports each trial makes under ASHA (synchronous halving on the noisy values at each rung)."""
+    alive = {c["i"]: len(c["reports"]) for c in courses}
+    for rung in rungs:
+        at = {}
+        for c in courses:
+            if c["i"] not in alive:
+                continue
+            first = next((n for n, r in enumerate(c["reports"]) if r["train_seconds"] >= rung), None)
+            if first is None or first >= alive[c["i"]]:
+                continue
+            at[c["i"]] = (c["reports"][first]["val_loss"], first)
+        ranked = sorted((v for v in at.items() if not math.isnan(v[1][0])), key=lambda kv: kv[1][0])
+        survivors = {i for i, _ in ranked[: max(1, math.ceil(len(ranked) * keep))]}
+        for i, (_, first) in at.items():
+            if i not in survivors:
+                alive[i] = min(alive[i], first + 1)
+    return alive
+
+
+def _record(c: dict, reports: int) -> RunRecord:
+    rows = c["reports"][:reports]
+    diverged = math.isnan(rows[-1]["val_loss"])
+    history = {k: {int(r["epoch"]): r[k] for r in rows if not (k == "val_loss" and math.isnan(r[k]))}
+               for k in rows[0]}
+    status = "failed" if diverged else "finished" if reports == c["resolved"] else "pruned"
+    params = {"per_gpu_batch_size": str(c["per_gpu"]), "world_size": "2", "grad_accum_steps": "1",
+              "global_batch_size": str(c["batch"]), "base_lr": str(c["base_lr"]), "peak_lr": str(c["peak"]),
+              "lr_rule": "sqrt", "reference_batch_size": "64", "warmup_epochs": "1.0", "weight_decay": str(c["wd"]),
+              "train_size": str(TRAIN_SIZE), "resolved_epochs": str(c["resolved"]), "seed": "0"}
+    tags = {"trial_id": f"t{c['i']}", **run_ending(status, reports, "diverged" if diverged else None,
+                                                   "loss is nan" if diverged else None).tags}
+    return RunRecord(f"run{c['i']}", f"t{c['i']}", status, params, history, tags, 20.0, c["i"] == 0)
+
+
+def world(n: int = 60, seed: int = 0, batches=(16, 32, 64, 128), spec: str = SPEC, steeper: float = 3.0
+          ) -> SweepRecord:
+    """n trials of random batch, LR (over 2.5 decades, so some diverge) and decay, cut by ASHA on noisy values."""
+    rng = np.random.default_rng(seed)
+    draws = [(int(rng.choice(batches)), float(np.exp(rng.uniform(math.log(1e-4), math.log(1e-2)))),
+              float(np.exp(rng.uniform(math.log(1e-5), math.log(1e-2))))) for _ in range(n)]
+    courses = [_trial(i, *d, rng, steeper) for i, d in enumerate(draws)]
+    cut = _asha(courses)
+    return SweepRecord("sqlite:///mlflow.db", "w", "1", "parent", "w 2026-11-28", "val_loss", "min", spec,
+                       [_record(c, cut[c["i"]]) for c in courses])
+
+
+def _answer(record):
+    from raysweep.answer import answer_of
+    from raysweep.report import recommendation
+
+    return answer_of(record, "w.yaml", recommendation(record))
+
+
+def _predict(record, batch):
+    from raysweep.answer import predict
+    from raysweep.report import recommendation
+
+    return predict(record, batch, "w.yaml", recommendation(record))
+
+
+@pytest.fixture(scope="module")
+def sweep() -> SweepRecord:
+    return world()
+
+
+def test_the_world_is_what_the_tests_say(sweep):
+    """Its finished trials end below ASHA's max_t (20 s: only the rungs were read before), some diverged, ASHA
+    pruned most."""
+    statuses = [t.status for t in sweep.trials]
+    assert statuses.count("failed") >= 3 and statuses.count("pruned") > statuses.count("finished") >= 6
+    ends = [t.last("train_seconds") for t in sweep.trials if t.status == "finished"]
+    assert all(18.0 <= s < BUDGET_S for s in ends)
+
+
+def test_the_fit_reads_where_each_finished_trial_ended_not_only_the_rungs(sweep):
+    """Findings 1 and 2: under a time budget the fit saw only rung values (2, 6 and 18 s of 20), so its best LR was
+    the early optimum: 1.64-1.79× the final one at every batch in this world with a symmetric bowl, over five seeds.
+    Read at the trials' ends, with the bottom's move over training fitted, it is the final one."""
+    fit = _answer(sweep).lr_fit
+    assert fit.fitted and "the end of each trial that ran its whole budget" in fit.budget, fit.reason
+    errors = []
+    for seed in range(5):
+        fit = _answer(world(seed=seed, steeper=1.0)).lr_fit
+        errors += [abs(math.log(fit.optimum(b) / final_best(b))) for b in (32, 256)]
+    assert sum(errors) / len(errors) < math.log(1.25), errors  # the rung-only fit: ln 1.71 ≈ 0.54
+
+
+def test_a_predicted_lr_is_the_answers_moved_along_the_checked_slope(sweep):
+    """Finding 2 and 9: predictions went through the fitted vertex (1.75-1.84× the final best in such a world).
+    Now: the answer's LR × (B / B_answer)^α, α the check's choice, and close to the world's best."""
+    base = _answer(sweep)
+    r, fit = base.recipe, base.lr_fit
+    assert fit.check is not None and fit.check.used in ("fit", "sqrt"), fit.check  # the world's rule is √B
+    assert fit.check.errors["none"] > min(fit.check.errors["fit"], fit.check.errors["sqrt"])
+    for batch in (32, 512):
+        if batch == r.global_batch:
+            continue
+        at = _predict(sweep, batch)
+        b_noise = fit.b_noise or math.inf
+        ratio = min(batch, b_noise) / min(r.global_batch, b_noise)
+        assert at.recipe.peak_lr == pytest.approx(r.peak_lr * ratio ** fit.used_exponent)
+        assert at.notes[0].startswith(f"peak LR {at.recipe.peak_lr:.2e} = the answer's")
+    assert r.peak_lr / final_best(r.global_batch) == pytest.approx(1.0, abs=0.35)
+
+
+def test_the_answers_own_batch_returns_the_answer(sweep):
+    """Finding 3: `answer --batch <its own batch>` gave 1.44-1.80× its LR and 0.40-0.70× its decay."""
+    base = _answer(sweep)
+    same = _predict(sweep, base.recipe.global_batch)
+    assert same.recipe == base.recipe and same.expected == base.expected
+    assert same.confirm_command == f"python -m raysweep confirm w.yaml --batch {base.recipe.global_batch}"
+
+
+def test_weight_decay_keeps_tau_with_one_D_on_the_budgets_clock(sweep):
+    """Findings 4 and 5: τ took D from the samples the answer's trial saw, predictions from the budget × the
+    training-only throughput. Now one D for both: the budget's seconds at samples_seen / train_seconds."""
+    from raysweep.answer import rates
+
+    base = _answer(sweep)
+    r = base.recipe
+    measured = rates(sweep)
+    assert measured[r.global_batch] == pytest.approx(rate(r.global_batch) / (1 + EVAL_SHARE))
+    d_answer = measured[r.global_batch] * BUDGET_S
+    assert base.samples == pytest.approx(d_answer)
+    assert base.tau == pytest.approx(r.global_batch / (r.peak_lr * r.weight_decay * d_answer))
+    other = 256 if r.global_batch != 256 else 128
+    at = _predict(sweep, other)
+    d_other = rate(other) / (1 + EVAL_SHARE) * BUDGET_S
+    assert at.samples == pytest.approx(d_other)
+    assert other / (at.recipe.peak_lr * at.recipe.weight_decay * d_other) == pytest.approx(base.tau)
+    assert at.expected.seconds == pytest.approx(at.expected.samples / (rate(other) / (1 + EVAL_SHARE)))
+
+
+def test_answer_json_says_what_ran_under_a_time_budget(sweep):
+    """Finding 8: `epochs` was the cap (500) and nothing said the epochs, steps and warmup that ran."""
+    base = _answer(sweep)
+    best = next(t for t in sweep.trials if t.trial_id == base.trial_id)
+    out = base.as_json()
+    steps = TRAIN_SIZE // out["global_batch"]
+    assert out["epochs"] == 500 and out["resolved_epochs"] == int(best.params["resolved_epochs"]) < 500
+    assert (out["steps_per_epoch"], out["total_steps"], out["warmup_steps"]) == (
+        steps, out["resolved_epochs"] * steps, steps)
+    assert out["train_seconds"] == best.last("train_seconds") and out["clock"].startswith("train_seconds")
+    assert out["image"] == {"height": 60, "width": 160, "channels": 1, "length": 4, "num_classes": 36}
+    assert out["seed"] == 0 and "MultiLabelSoftMarginLoss" in out["loss"]
+    assert f"{out['resolved_epochs']} epochs here" in out["schedule"]
+
+
+def test_diverged_trials_bound_a_predicted_lr_from_above():
+    """Finding 9: the cliff's evidence was dropped. A linear world's fit at 8× the answer's batch would put the
+    LR past where trials diverged; the prediction stays a factor 2 below the cliff, moved along the slope."""
+    from raysweep.answer.fit import ceiling_at
+
+    sweep = world(seed=1)
+    base = _answer(sweep)
+    fit = base.lr_fit
+    assert fit.ceilings and all(lr / final_best(b) > 5 for b, lr in fit.ceilings)
+    forced = dataclasses.replace(base, lr_fit=dataclasses.replace(fit, ceilings=((base.recipe.global_batch,
+                                                                                   base.recipe.peak_lr * 1.5),)))
+    from raysweep.answer.predict import _lr_at
+
+    lr, notes = _lr_at(forced, base.recipe.global_batch * 4)
+    assert lr == pytest.approx(ceiling_at(forced.lr_fit, base.recipe.global_batch * 4, fit.used_exponent))
+    assert any("diverged" in n for n in notes)
+
+
+def test_a_best_lr_at_the_top_of_the_searched_range_is_said_with_the_range_to_search_next():
+    """Finding 9: nothing checked that the best LR lies inside the LRs tried. A sweep whose LRs stop below the
+    world's best says so in one line, with a range that reaches past it."""
+    spec = SPEC.replace("{loguniform: [1.0e-4, 1.0e-2], default: 1.0e-3}",
+                        "{loguniform: [1.0e-5, 3.0e-4], default: 1.0e-4}")
+    low = world(spec=spec, seed=4)  # its draws span 1e-4 to 1e-2: those below the narrower range's top are kept
+    lows = dataclasses.replace(low, trials=[t for t in low.trials if t.number("base_lr") <= 3e-4])
+    answer = _answer(lows)
+    edge = answer.lr_fit.edge
+    assert edge and "at the top of the LRs tried" in edge and "search.base_lr: {loguniform:" in edge, answer.notes
+    assert edge in answer.notes
+    top = float(edge.rsplit(", ", 1)[1].rstrip("]}"))
+    assert top > 3e-4
+
+
+def test_a_trial_stopped_at_asha_max_t_below_the_epochs_did_not_run_its_budget():
+    """Finding 7: a trial ASHA stopped at max_t below train.epochs counted as `ran`."""
+    spec = SPEC.replace("time_budget_s: 20, ", "").replace("epochs: 500", "epochs: 6").replace(
+        "{grace_period: 2, reduction_factor: 3, unit: seconds}", "{grace_period: 1, reduction_factor: 2, max_t: 3}")
+    record = world(spec=spec, n=12)
+    trials = []
+    for t in record.trials:  # ASHA's max_t 3: the survivors end at epoch 3 of 6, finished
+        if t.status == "failed":
+            continue
+        history = {k: {e: v for e, v in h.items() if e <= 3} for k, h in t.history.items()}
+        trials.append(dataclasses.replace(t, history=history, status="finished" if t.epoch >= 3 else "pruned",
+                                          params={**t.params, "resolved_epochs": "6"}))
+    answer = _answer(dataclasses.replace(record, trials=trials))
+    assert not answer.ran and answer.predicted
+    assert "stopped at tune.asha.max_t" in answer.expected.at and "epoch 3 of 6" in answer.expected.at
+
+
+def _confirmation(statuses, values, batch=64, lr=1e-3) -> ConfirmationRecord:
+    runs = [{"trial_id": f"c{i}", "seed": i + 1, "status": s, "epoch": 6 if s == "finished" else 2, "value": v,
+             "time_to_target_s": None, "train_seconds": 20.0, "seconds_to_value": None}
+            for i, (s, v) in enumerate(zip(statuses, values))]
+    return ConfirmationRecord(f"confirm-{'-'.join(statuses)}", batch, lr, {"value": 0.3}, runs)
+
+
+def test_a_confirmation_counts_only_its_finished_seeds_and_the_newest_complete_one_is_reported(sweep):
+    """Finding 6: the mean took a diverged or interrupted seed's last value, and the newest confirmation was
+    reported even when partial."""
+    from raysweep.answer.confirmations import miss
+
+    partial = _confirmation(("finished", "failed"), (0.31, 0.9))
+    assert not partial.complete and partial.measured("value") == pytest.approx(0.31)
+    assert partial.as_dict()["seeds_counted"] == [1]
+    base = _answer(sweep)
+    r = base.recipe
+    done = dataclasses.replace(_confirmation(("finished", "finished"), (0.30, 0.32)), global_batch=r.global_batch,
+                               peak_lr=r.peak_lr)
+    newer = dataclasses.replace(partial, global_batch=r.global_batch, peak_lr=r.peak_lr)
+    answer = _answer(dataclasses.replace(sweep, confirmations=[done, newer]))
+    assert answer.confirmed is done and answer.confirmed.measured("value") == pytest.approx(0.31)
+    assert any("partial" in n and "newest complete" in n for n in answer.notes)
+    assert miss(0.33, 0.30, "min") == pytest.approx(0.1) and miss(0.29, 0.30, "min") == 0.0
+    assert miss(0.6, 0.8, "max") == pytest.approx(0.25)
+
+
+def test_confirms_exit_code_gates_on_partial_seeds_and_on_fail_above(capsys):
+    """Finding 6: `confirm` exited 0 whatever happened."""
+    from raysweep.confirm import verdict
+
+    done = _confirmation(("finished", "finished"), (0.31, 0.33))
+    assert verdict(done, 0.30, "min", None) == 0
+    assert verdict(done, 0.30, "min", 0.10) == 0 and "passed" in capsys.readouterr().out
+    assert verdict(done, 0.30, "min", 0.05) == 1 and "misses the expected value by 6.7%" in capsys.readouterr().out
+    assert verdict(_confirmation(("finished", "failed"), (0.3, 0.9)), 0.30, "min", None) == 1
+    assert verdict(None, 0.30, "min", None) == 1
+
+
+def test_an_answer_without_a_fit_leaves_no_earlier_fit_in_mlflow(tmp_path):
+    """Finding 11: a later answer with no fit left the previous answer.lr_exponent* in place."""
+    import mlflow
+
+    from raysweep.tracking.published import log_answer
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.create_experiment("w")).info.run_id
+    sweep = world()
+    fitted = _answer(sweep)
+    assert fitted.lr_fit.fitted
+    log_answer(uri, run, fitted)
+    assert client.get_run(run).data.metrics["answer.lr_exponent"] == pytest.approx(fitted.lr_fit.exponent)
+    few = dataclasses.replace(sweep, trials=[t for t in sweep.trials if t.status != "pruned"][:5])
+    unfitted = _answer(few)
+    assert not unfitted.lr_fit.fitted
+    log_answer(uri, run, unfitted)
+    metrics = client.get_run(run).data.metrics
+    assert math.isnan(metrics["answer.lr_exponent"]) and math.isnan(metrics["answer.confirmed_value"])
+    assert metrics["answer.peak_lr"] == pytest.approx(unfitted.recipe.peak_lr)
