@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a spec key, as for tune")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="a global batch: the recipe the sweep predicts for it (peak LR, weight decay, time)")
+    _store(p)
     p.set_defaults(func=cmd_answer)
     p = sub.add_parser("confirm", help="run the newest sweep's answer (or --batch N's prediction) on two seeds for its "
                                        "whole budget, outside ASHA, and print it against the prediction")
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train.seed of each run (default: the two after the spec's train.seed)")
     p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
     _fail_above(p)
+    _store(p)
     p.set_defaults(func=cmd_confirm)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
     p.add_argument("spec", help="sweep spec (YAML), e.g. search_spaces/quickstart.yaml")
@@ -85,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a spec key, as for tune")  # no --address, no -v: check starts no Ray
     p.set_defaults(func=cmd_check)
     return parser
+
+
+def _store(p) -> None:
+    p.add_argument("--tracking-uri", default=None,
+                   help="the MLflow store the sweep is in (default: the spec's mlflow.tracking_uri, else ./mlflow.db), "
+                        "e.g. sqlite:///path/to/mlflow.db from another folder")
+
+
+def _with_store(args) -> list[str]:
+    """The overrides, with --tracking-uri as the spec's mlflow.tracking_uri."""
+    return [*args.overrides, *([f"mlflow.tracking_uri={args.tracking_uri}"] if args.tracking_uri else [])]
 
 
 def _fail_above(p) -> None:
@@ -123,7 +136,7 @@ def cmd_answer(args) -> int:
     from raysweep import confirm
     from raysweep.config import load_config
 
-    config = load_config(args.spec, args.overrides, sweep=False, trial=False)  # it reads a store: nothing to train
+    config = load_config(args.spec, _with_store(args), sweep=False, trial=False)  # it reads a store: nothing to train
     return confirm.show(config, args.batch)
 
 
@@ -131,7 +144,7 @@ def cmd_confirm(args) -> int:
     from raysweep import confirm
     from raysweep.config import load_config
 
-    config = load_config(args.spec, args.overrides, sweep=False, trial=False)  # its runs are the sweep's spec's
+    config = load_config(args.spec, _with_store(args), sweep=False, trial=False)  # its runs are the sweep's spec's
     seeds = None
     if args.seeds is not None:
         try:

@@ -260,6 +260,12 @@ def test_answer_and_confirm_without_a_sweep_are_one_line_naming_the_spec(tmp_pat
         assert main(command) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"raysweep: error: {path}: no MLflow store at "), err
+    other = tmp_path / "elsewhere" / "mlflow.db"  # run from another folder: the store named, as report takes it
+    for command in (["answer", str(path)], ["confirm", str(path)]):
+        assert main([*command, "--tracking-uri", f"sqlite:///{other}"]) == 2
+        assert f"no MLflow store at {other}" in capsys.readouterr().err
+    assert main(["confirm", str(path), "--fail-above", "-1"]) == 2
+    assert "--fail-above -1.0: expected a percentage of 0 or more" in capsys.readouterr().err
     assert main(["confirm", str(path), "--seeds", "1,x"]) == 2
     assert "--seeds '1,x': expected whole numbers" in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists()

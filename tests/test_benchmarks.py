@@ -150,8 +150,15 @@ def test_answer_check_quick_runs_the_grid_the_sweep_and_the_prediction():
     """The answer against a grid: the grid in-process with the rank code, a real `tune` on the same task, `answer
     --batch` for the batch the sweep left out; every figure printed (the CPU and GPU modes differ in sizes only)."""
     out = _run("answer_check.py")
-    grid = [ln for ln in out.splitlines() if ln.startswith("grid  batch")]
-    assert len(grid) == 4 and all("val_loss" in ln for ln in grid)  # 2 batches × 2 LRs
-    assert "answer (predicted, not yet run): global batch 32 = per-GPU 32 × 1 workers" in out
-    for name in ("answer_vs_grid_best", "answer_grid_point_vs_grid_best", "left_out_lr_vs_grid_argmin"):
+    lines = out.splitlines()
+    coarse, fine = ([ln for ln in lines if ln.startswith(f"{kind}  batch")] for kind in ("grid", "fine"))
+    assert len(coarse) == 6 and len(fine) == 6  # 3 batches × 2 LRs 4× apart, then the √2 midpoints around each best
+    assert all("val_loss" in ln or "diverged" in ln for ln in coarse + fine)
+    assert "answer (predicted, not yet run): global batch 64 = per-GPU 64 × 1 workers" in out
+    fit = next(ln for ln in lines if ln.startswith("LR fit: "))
+    assert "check {" in fit and "'used': " in fit, fit  # the sweep's 10 trials over 2 batches: a fit, checked
+    for name in ("answer_vs_grid_best", "left_out_lr_vs_grid_argmin"):
+        assert re.search(rf"^RESULT {name} ratio=\d+\.\d+ goal=\d\.\d+ (met|missed)$", out, re.M), name
+    for name in ("answer_grid_point_vs_grid_best", "left_out_keep_lr_vs_grid_argmin",
+                 "left_out_sqrt_lr_vs_grid_argmin"):
         assert re.search(rf"^RESULT {name} ratio=\d+\.\d+$", out, re.M), name

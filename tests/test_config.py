@@ -31,6 +31,14 @@ def test_defaults_match_design(tmp_path):
     assert config.train.grad_clip == 1.0 and config.tune.metric == "val_loss"
 
 
+def test_a_spec_without_a_name_is_named_after_its_file_not_the_quickstart(tmp_path):
+    """Its experiment and results folder were `quickstart`'s, mixing its trials with the quickstart's."""
+    (tmp_path / "my sweep.v2.yaml").write_text("train: {epochs: 2}\n")
+    assert load_config(tmp_path / "my sweep.v2.yaml").name == "my-sweep.v2"
+    (tmp_path / "named.yaml").write_text("name: kept\n")
+    assert load_config(tmp_path / "named.yaml").name == "kept"
+
+
 def test_unknown_key_suggests_closest(tmp_path):
     msg = _error(tmp_path, "search:\n  warmup_epoch: 2\n")
     assert msg.startswith(f"{tmp_path / 'spec.yaml'}: search.warmup_epoch: unknown key 'warmup_epoch'")

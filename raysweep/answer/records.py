@@ -73,7 +73,8 @@ class Recipe:
     def schedule(self) -> str:
         """The schedule in words: `linear warmup over 1 epoch to 5.00e-04, then cosine to 1e-06 by the end of 6
         epochs` (or of 90 training seconds)."""
-        ran = f", {self.resolved_epochs} epochs here" if self.resolved_epochs else ""
+        ran = (f", {self.resolved_epochs} epoch{'s' if self.resolved_epochs != 1 else ''} here" if self.resolved_epochs
+               else "")
         end = (f"the end of {self.time_budget_s:g} training seconds (at most {self.epochs} epochs{ran})"
                if self.time_budget_s else f"the end of {self.epochs} epochs")
         warm = (f"linear warmup over {self.warmup_epochs:g} epoch{'s' if self.warmup_epochs != 1 else ''} to "

@@ -51,6 +51,8 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
         raw = {}
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping of sections (name, data, train, ...), got {type(raw).__name__}")
+    if "name" not in raw:  # named after its file, not the default's `quickstart`: its results stay its own
+        raw["name"] = re.sub(r"[^A-Za-z0-9_.-]", "-", path.stem).lstrip("_.-") or "sweep"
     overridden = {}
     for item in overrides:
         key, value = _apply_override(raw, item)

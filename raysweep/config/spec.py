@@ -28,7 +28,8 @@ class SweepConfig(Section):
     """A whole spec file."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = Field(
-        "quickstart", description="MLflow experiment and Ray run directory name"
+        "quickstart", description="MLflow experiment and Ray run directory name (a spec file without one: the file's "
+                                  "name without .yaml)"
     )
     storage_path: str = Field(
         "./raysweep_results",
