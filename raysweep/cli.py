@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a spec key, as for tune")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="a global batch: the recipe the sweep predicts for it (peak LR, weight decay, time)")
+    _fitted(p)
     _store(p)
     p.set_defaults(func=cmd_answer)
     p = sub.add_parser("confirm", help="run the newest sweep's answer (or --batch N's prediction) on two seeds for its "
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train.seed of each run (default: the two after the spec's train.seed)")
     p.add_argument("--progress-every", type=float, default=30.0, metavar="S", help="seconds between progress tables")
     _fail_above(p)
+    _fitted(p)
     _store(p)
     p.set_defaults(func=cmd_confirm)
     p = sub.add_parser("check", help="validate a spec and print the resolved config and derived values")
@@ -87,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a spec key, as for tune")  # no --address, no -v: check starts no Ray
     p.set_defaults(func=cmd_check)
     return parser
+
+
+def _fitted(p) -> None:
+    p.add_argument("--fitted", action="store_true",
+                   help="the answer's batch with the sweep's checked fit's best LR (and its weight decay), where the "
+                        "fit predicts a better recipe than the best trial's")
 
 
 def _store(p) -> None:
@@ -127,8 +135,9 @@ def cmd_tune(args) -> int:
     if args.confirm and code == 0:
         from raysweep import confirm
 
-        return confirm.run(config, address=args.address, verbose=args.verbose, progress_every_s=args.progress_every,
-                           cap_batch=args.cap_batch, fail_above=fail_above)
+        return confirm.run_with_fitted(config, address=args.address, verbose=args.verbose,
+                                       progress_every_s=args.progress_every, cap_batch=args.cap_batch,
+                                       fail_above=fail_above)
     return code
 
 
@@ -137,7 +146,7 @@ def cmd_answer(args) -> int:
     from raysweep.config import load_config
 
     config = load_config(args.spec, _with_store(args), sweep=False, trial=False)  # it reads a store: nothing to train
-    return confirm.show(config, args.batch)
+    return confirm.show(config, args.batch, args.fitted)
 
 
 def cmd_confirm(args) -> int:
@@ -155,7 +164,7 @@ def cmd_confirm(args) -> int:
         if not seeds or len(set(seeds)) != len(seeds):
             raise UserError(f"--seeds {args.seeds!r}: give distinct seeds, e.g. --seeds 1,2")
     return confirm.run(config, args.batch, seeds, address=args.address, verbose=args.verbose,
-                       progress_every_s=args.progress_every, fail_above=_fail_fraction(args))
+                       progress_every_s=args.progress_every, fail_above=_fail_fraction(args), fitted=args.fitted)
 
 
 def cmd_train(args) -> int:

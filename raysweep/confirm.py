@@ -29,10 +29,15 @@ def _sweep_of(config):
     return record, report.recommendation(record)
 
 
-def answer_for(config, batch: int | None):
-    """(the sweep's record, its answer; or with `batch`, the predicted recipe at that global batch)."""
+def answer_for(config, batch: int | None, fitted: bool = False):
+    """(the sweep's record, its answer; or with `batch`, the predicted recipe at that global batch; or `fitted`, the
+    checked fit's recipe at the answer's batch: answer.recipe.fitted_answer)."""
     from raysweep.answer import answer_of, predict
+    from raysweep.answer.recipe import fitted_answer
 
+    if fitted and batch is not None:
+        raise UserError(f"--fitted with --batch {batch}: --fitted is the answer's own batch with the fit's LR; "
+                        f"--batch N is another batch's prediction (it uses the fit's slope already): give one")
     record, advice = _sweep_of(config)
     if batch is not None:
         return record, predict(record, batch, config.command_args, advice)
@@ -40,15 +45,16 @@ def answer_for(config, batch: int | None):
     if answer is None:
         raise UserError(f"{config.source}: the sweep {record.parent_name} has no answer: no trial finished or was "
                         f"pruned (see `raysweep report {config.command_args}`)")
-    return record, answer
+    return record, fitted_answer(answer) if fitted else answer
 
 
-def show(config, batch: int | None) -> int:
-    """`raysweep answer SPEC [--batch N]`: the sweep's answer, or the predicted recipe at global batch N."""
-    from raysweep.answer import show
+def show(config, batch: int | None, fitted: bool = False) -> int:
+    """`raysweep answer SPEC [--batch N | --fitted]`: the sweep's answer, the predicted recipe at global batch N, or
+    the checked fit's recipe at the answer's batch."""
+    from raysweep.answer import console as answer_console
 
-    _, answer = answer_for(config, batch)
-    show.print_answer(answer)
+    _, answer = answer_for(config, batch, fitted)
+    answer_console.print_answer(answer)
     return 0
 
 
@@ -68,20 +74,21 @@ def confirm_spec(record, config, recipe):
 
 def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, address: str | None = None,
         verbose: bool = False, progress_every_s: float = 30.0, cap_batch: int | None = None,
-        fail_above: float | None = None) -> int:
+        fail_above: float | None = None, fitted: bool = False) -> int:
     """`raysweep confirm SPEC [--batch N] [--seeds a,b]`: the answer (or the prediction at N) on each seed (default:
     the two after train.seed: the sweep's trials all ran train.seed), for its whole budget, outside ASHA; then each
     seed's measurement beside the prediction, and the sweep's answer.json, MLflow and report updated. `cap_batch`:
     `tune --cap-batch`'s (else the sweep's search.per_gpu_batch_size.max, where a number); `fail_above`: the
     fraction the value may miss the expected by (the module's docstring: the exit code)."""
     from raysweep import report, sweep, tracking
-    from raysweep.answer import show
+    from raysweep.answer import console as answer_console
+    from raysweep.answer.confirmations import close
 
-    record, answer = answer_for(config, batch)
+    record, answer = answer_for(config, batch, fitted)
     seeds = tuple(seeds) if seeds else (config.train.seed + 1, config.train.seed + 2)
     spec, cap = confirm_spec(record, config, answer.recipe)
     r = answer.recipe
-    show.print_confirming(answer, seeds)
+    answer_console.print_confirming(answer, seeds)
     confirming = sweep.Confirming(record.parent_run_id, seeds, json.dumps(asdict(answer.expected)), r.global_batch,
                                   r.peak_lr)
     code = sweep.run(spec, address=address, verbose=verbose, progress_every_s=progress_every_s,
@@ -89,30 +96,50 @@ def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, 
     uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
     again = sweep.in_store(config, lambda: tracking.load_sweep(uri, config.experiment_name, record.parent_run_id),
                            "the sweep's read")  # with this confirmation
-    mine = next((c for c in reversed(again.confirmations) if c.global_batch == r.global_batch), None)
+    mine = next((c for c in reversed(again.confirmations) if c.global_batch == r.global_batch
+                 and close(c.peak_lr, r.peak_lr, 1e-6)), None)  # the fitted recipe shares the answer's batch
     if mine is not None:
         sweep.in_store(config, lambda: tracking.log_confirmation(uri, mine), "the confirmation's figures")
     report_dir = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
     built = sweep.in_store(config, lambda: report.publish(again, report_dir, config.command_args), "the report")
-    show.print_confirmation(mine, answer, storage.join(report_dir, report.ANSWER_FILE))
+    answer_console.print_confirmation(mine, answer, storage.join(report_dir, report.ANSWER_FILE))
     if built.answer is not None and built.answer.confirmed is not None and batch is None:
-        show.print_answer(built.answer)
+        answer_console.print_answer(built.answer)
     return verdict(mine, answer.expected.value, record.mode, fail_above) if code == 0 else code
+
+
+def run_with_fitted(config, **kwargs) -> int:
+    """`tune --confirm`: the answer confirmed and, where the checked fit predicts a better recipe at its batch
+    (answer.recipe.fitted_recipe), that one on the same seeds; the answer then keeps whichever measured better.
+    The exit code is the worse of the two."""
+    code = run(config, **kwargs)
+    _, answer = answer_for(config, None)
+    if answer.better is None:
+        return code
+    from raysweep.answer import console as answer_console
+
+    answer_console.print_verdict(f"the checked fit predicts a better recipe at global batch "
+                                 f"{answer.recipe.global_batch}: peak LR {answer.better.peak_lr:.2e}; it runs next, on "
+                                 f"the same seeds")
+    return max(code, run(config, fitted=True, **kwargs))
 
 
 def verdict(mine, expected: float | None, mode: str, fail_above: float | None) -> int:
     """The exit code of a confirmation (`mine`: metrics.ConfirmationRecord, None: it left no run), with its line."""
+    from raysweep.answer import console as answer_console
     from raysweep.answer.confirmations import miss
 
     if mine is None or not mine.complete:
-        print("confirm: partial: a seed did not finish, so the confirmation does not measure the recipe (exit 1)")
+        answer_console.print_verdict("partial: a seed did not finish, so the confirmation does not measure the "
+                                     "recipe (exit 1)")
         return 1
     if fail_above is None:
         return 0
     short = miss(mine.measured("value"), expected, mode)
     if short is None or short > fail_above:
         what = "no value to compare" if short is None else f"misses the expected value by {short:.1%}"
-        print(f"confirm: failed: the seeds' mean {what}, more than --fail-above {fail_above:.0%} allows (exit 1)")
+        answer_console.print_verdict(f"failed: the seeds' mean {what}, more than --fail-above {fail_above:.0%} "
+                                     f"allows (exit 1)")
         return 1
-    print(f"confirm: passed: the seeds' mean is within {fail_above:.0%} of the expected value")
+    answer_console.print_verdict(f"passed: the seeds' mean is within {fail_above:.0%} of the expected value")
     return 0

@@ -395,7 +395,7 @@ def print_report(report, top: int = 10) -> None:
 
 def _print_report_body(report, top: int) -> None:
     """The top trials (report/table.py's columns), the recommendation and how it held, the report's files."""
-    from raysweep.answer import show
+    from raysweep.answer import console as answer_console
 
     r = report.record
     columns = shown(r)
@@ -415,9 +415,9 @@ def _print_report_body(report, top: int) -> None:
         print(f"\nknob importance for {imp.metric} at {imp.at} (fANOVA over {len(imp.points)} finished and pruned "
               f"trials): {shares}")
     if report.recommendation is not None:
-        show.print_recommendation(report.recommendation)
+        answer_console.print_recommendation(report.recommendation)
     if report.held:
-        show.print_held(report.held, r.target_label())
+        answer_console.print_held(report.held, r.target_label())
     print(f"report:  {report.folder}/report.html (plots: {', '.join(f for f in report.files if f.endswith('.png'))}; "
           f"also on the MLflow parent run, under report/)")
 

@@ -181,9 +181,9 @@ def run(config: SweepConfig, *, address: str | None, start: int, max_batch: int,
             advice = recommend(noise[0], {r.per_gpu_batch_size * per_step: r.images_per_s for r in result.rows
                                           if r.fits}, noise[1])
             if advice is not None:
-                from raysweep.answer import show
+                from raysweep.answer import console as answer_console
 
-                show.print_recommendation(advice)
+                answer_console.print_recommendation(advice)
                 tracking.in_store(lambda: tracking.log_recommendation(tracking_uri, run_id, advice), tracking_uri,
                                   config.mlflow.retry_s, "the probe's recommendation")
         return 0 if result.largest else 1

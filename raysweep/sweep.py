@@ -229,7 +229,7 @@ class Sweep:
         """From the store alone (tracking.load_sweep, exactly as `raysweep report` reads it): the best trial, the
         parent run's verdict, the report (sweeps) and the closing lines. Exit 0 when a trial succeeded, else 1."""
         from raysweep import console, report, tracking
-        from raysweep.answer import show
+        from raysweep.answer import console as answer_console
         from raysweep.metrics import WORKER_PARAMS
 
         config, where = self.config, self.where
@@ -262,7 +262,8 @@ class Sweep:
         console.print_where(where.experiment_path, where.tracking_uri, config.experiment_name, self.experiment_id,
                             ui, link, config.tune.metric)
         if built is not None:  # the sweep's last block: its one answer
-            show.print_answer(built.answer, storage.join(report_dir, report.ANSWER_FILE) if built.answer else None)
+            written = storage.join(report_dir, report.ANSWER_FILE) if built.answer else None
+            answer_console.print_answer(built.answer, written)
         return 0 if ranked else 1
 
     def end_failed(self, e: BaseException) -> None:

@@ -1,4 +1,4 @@
-"""The sweep's one answer (raysweep/answer.py), from records made by hand where the truth is known: it is the best
+"""The sweep's one answer (raysweep/answer/), from records made by hand where the truth is known: it is the best
 trial's recipe and never contradicts the trials; the LR fit recovers the exponent that made the data and says which
 rule it supports; a batch the sweep did not run gets a predicted recipe whose numbers add up."""
 
@@ -229,7 +229,7 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     import json
 
     from raysweep import console, report
-    from raysweep.answer import show
+    from raysweep.answer import console as answer_console
 
     record = _sweep(n=40)
     built, _ = report.build(record, tmp_path / "report", spec_args="search_spaces/x.yaml --set train.epochs=6")
@@ -241,7 +241,7 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     assert page.index("id='answer'") < page.index('id="summary"')  # the answer first, the trials after it
     assert "Fastest" not in page and "fastest" not in page  # the batch table is evidence, not a second answer
     console.print_report(built)
-    show.print_answer(built.answer)
+    answer_console.print_answer(built.answer)
     out = capsys.readouterr().out
     assert "<- fastest" not in out
     last = out[out.rindex("\nanswer (ran): "):]

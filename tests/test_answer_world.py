@@ -273,6 +273,22 @@ def test_a_trial_stopped_at_asha_max_t_below_the_epochs_did_not_run_its_budget()
     assert "stopped at tune.asha.max_t" in answer.expected.at and "epoch 3 of 6" in answer.expected.at
 
 
+def test_a_trial_that_ran_its_seconds_ran_its_budget_though_its_pace_promised_one_epoch_more(sweep):
+    """Found by benchmarks/answer_check.py: under a time budget ASHA's max_t is the budget, and a trial whose epochs
+    ran slower than its pace estimate crossed it one epoch before its resolved_epochs: it ran its whole budget."""
+    base = _answer(sweep)
+    best = next(t for t in sweep.trials if t.trial_id == base.trial_id)
+    last = best.last("train_seconds")
+    slower = dataclasses.replace(best, params={**best.params, "resolved_epochs": str(best.epoch + 1)}, history={
+        **best.history, "train_seconds": {e: v * 20.2 / last for e, v in best.history["train_seconds"].items()}})
+    answer = _answer(dataclasses.replace(sweep, trials=[slower if t is best else t for t in sweep.trials]))
+    assert answer.ran and answer.expected.at == "the whole budget"
+    cut = dataclasses.replace(slower, history={**slower.history, "train_seconds": {
+        e: v * 0.5 for e, v in slower.history["train_seconds"].items()}})
+    answer = _answer(dataclasses.replace(sweep, trials=[cut if t is best else t for t in sweep.trials]))
+    assert not answer.ran and "stopped at tune.asha.max_t" in answer.expected.at
+
+
 def _confirmation(statuses, values, batch=64, lr=1e-3) -> ConfirmationRecord:
     runs = [{"trial_id": f"c{i}", "seed": i + 1, "status": s, "epoch": 6 if s == "finished" else 2, "value": v,
              "time_to_target_s": None, "train_seconds": 20.0, "seconds_to_value": None}
@@ -333,3 +349,57 @@ def test_an_answer_without_a_fit_leaves_no_earlier_fit_in_mlflow(tmp_path):
     metrics = client.get_run(run).data.metrics
     assert math.isnan(metrics["answer.lr_exponent"]) and math.isnan(metrics["answer.confirmed_value"])
     assert metrics["answer.peak_lr"] == pytest.approx(unfitted.recipe.peak_lr)
+
+
+def _fitted_world():
+    """The world's answer with its check forced to choose the fit, and the sweep's sampled LR at the answer's batch
+    2.5× below the fit's bottom: what the grid side by side found (the best trial's LR 3.9× off the grid's best)."""
+    from raysweep.answer.recipe import fitted_recipe
+
+    sweep = world()
+    base = _answer(sweep)
+    fit = base.lr_fit
+    check = dataclasses.replace(fit.check, used="fit", exponent=fit.exponent)
+    fit = dataclasses.replace(fit, check=check)
+    r = dataclasses.replace(base.recipe, peak_lr=fit.optimum(base.recipe.global_batch) / 2.5)
+    return sweep, dataclasses.replace(base, recipe=r, lr_fit=fit, better=fitted_recipe(r, fit, base.tau, base.samples))
+
+
+def test_where_the_checked_fit_puts_the_best_lr_elsewhere_a_better_recipe_is_predicted_and_how_to_measure_it():
+    """Deliverable 5: the answer was never better than its best trial although the sweep held the evidence."""
+    from raysweep.answer.recipe import fitted_answer, fitted_recipe, kept
+
+    sweep, base = _fitted_world()
+    b, r, fit = base.better, base.recipe, base.lr_fit
+    assert b.global_batch == r.global_batch and b.peak_lr == pytest.approx(fit.optimum(r.global_batch))
+    assert b.global_batch / (b.peak_lr * b.weight_decay * base.samples) == pytest.approx(base.tau)  # τ kept
+    said = kept(sweep, base)
+    assert said.recipe == r and any("a better recipe is predicted" in n and "w.yaml --fitted" in n for n in said.notes)
+    assert said.as_json()["better"]["peak_lr"] == pytest.approx(b.peak_lr)
+    fitted = fitted_answer(said)
+    assert fitted.recipe == b and fitted.predicted and fitted.confirm_command.endswith("--fitted")
+    # within √2 of the answer's LR, or unchecked: nothing better is claimed
+    assert fitted_recipe(dataclasses.replace(r, peak_lr=b.peak_lr * 1.3), fit, base.tau, base.samples) is None
+    unchecked = dataclasses.replace(fit, check=dataclasses.replace(fit.check, used="sqrt"))
+    assert fitted_recipe(r, unchecked, base.tau, base.samples) is None
+
+
+def test_the_fitted_recipe_becomes_the_answer_only_where_it_measured_better_on_the_same_seeds():
+    from raysweep.answer.recipe import kept
+
+    sweep, base = _fitted_world()
+    b, r = base.better, base.recipe
+    ours = dataclasses.replace(_confirmation(("finished", "finished"), (0.30, 0.32)), global_batch=r.global_batch,
+                               peak_lr=r.peak_lr)
+    for values, wins in (((0.27, 0.29), True), ((0.33, 0.35), False)):
+        theirs = dataclasses.replace(_confirmation(("finished", "finished"), values), global_batch=b.global_batch,
+                                     peak_lr=b.peak_lr, parent_run_id="fitted")
+        answer = kept(dataclasses.replace(sweep, confirmations=[ours, theirs]),
+                      dataclasses.replace(base, confirmed=ours))
+        if wins:
+            assert answer.recipe == b and answer.ran and answer.trial_id is None and answer.confirmed is theirs
+            assert answer.expected.value == pytest.approx(0.28)
+            assert "measured val_loss 0.28 against the best trial's recipe's 0.31 (9.7% better)" in answer.notes[-1]
+        else:
+            assert answer.recipe == r and answer.better is None
+            assert "(9.7% worse): the best trial's recipe is kept" in answer.notes[-1]

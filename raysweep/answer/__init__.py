@@ -9,7 +9,7 @@ command that confirms it. From the store alone (metrics.SweepRecord and the spec
   out against the square-root rule and keeping the LR, and bounded by the trials that diverged (fit.py).
 - **A batch the sweep did not run** gets the answer's recipe moved along the checked slope, its weight decay through
   AdamW's timescale with one D (predict.py); the answer's own batch is the answer.
-- **Confirmations** count only the seeds that finished (confirmations.py); show.py prints all of it.
+- **Confirmations** count only the seeds that finished (confirmations.py); console.py prints all of it.
 
 The records (records.py) are answer.json and the parent run's `answer.*` params and metrics.
 """

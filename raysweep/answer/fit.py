@@ -48,12 +48,16 @@ def scaled(lr: float, from_batch: float, to_batch: float, exponent: float, b_noi
     return lr * (cap(to_batch) / cap(from_batch)) ** exponent
 
 
-def ran_whole(t: RunRecord, target: bool) -> bool:
-    """Finished its whole budget: not pruned, not stopped at the target (its epochs ran out, or its seconds)."""
+def ran_whole(t: RunRecord, spec) -> bool:
+    """Finished its whole budget: its epochs (train.epochs, or what its pace said fills train.time_budget_s), or under
+    a time budget its seconds (an epoch slower than the pace estimate ends a trial at max_t one epoch early). Not
+    pruned, not stopped at tune.asha.max_t below train.epochs, not stopped at the target."""
     if t.status != FINISHED:
         return False
-    resolved = t.number(M.resolved_epochs)
-    return not (target and t.last(M.time_to_target_s) is not None and resolved and t.epoch < resolved)
+    budget = spec.train.time_budget_s
+    seconds = t.last(M.train_seconds)
+    return t.epoch >= (t.number(M.resolved_epochs) or spec.train.epochs) or bool(
+        budget and seconds is not None and seconds >= budget * (1 - 1e-6))
 
 
 def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
@@ -72,7 +76,7 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
             continue
         whole = t.number(M.resolved_epochs) or t.last(M.resolved_epochs) or spec.train.epochs
         mine = [(k, *_at(t, record.metric, plan.time_attr, b)) for k, b in enumerate(rungs)]
-        if ran_whole(t, record.target is not None):
+        if ran_whole(t, spec):
             mine.append((end, t.epoch, t.last(record.metric)))
         mine = [(trials, batch, lr, k, sign * v, min(epoch / whole, 1.0)) for k, epoch, v in mine
                 if v is not None and math.isfinite(v)]

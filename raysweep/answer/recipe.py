@@ -3,11 +3,12 @@ and D, the samples a recipe trains over its whole budget (one definition, for τ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
-from raysweep.answer.confirmations import with_confirmations
-from raysweep.answer.fit import fit_lr, ran_whole
+from raysweep.answer.confirmations import close, with_confirmations
+from raysweep.answer.fit import ceiling_at, fit_lr, ran_whole
 from raysweep.answer.records import Answer, Expected, Recipe
 from raysweep.metrics import FINISHED, MODEL_FACTORY, MODEL_KWARGS, MODEL_PARAMETERS, RunRecord, SweepRecord
 from raysweep.metrics import names as M
@@ -50,7 +51,7 @@ def answer_of(record: SweepRecord, spec_file: str | None, advice) -> Answer | No
     best = order[0]
     recipe = recipe_of(best, spec)
     reached = record.target is not None and best.last(M.time_to_target_s) is not None
-    whole = best.status == FINISHED and best.epoch >= (recipe.resolved_epochs or spec.train.epochs)
+    whole = ran_whole(best, spec)
     ran = whole or reached
     seconds = best.last(M.train_seconds)
     words = f"epoch {best.epoch} of {recipe.resolved_epochs or spec.train.epochs}" + (
@@ -70,9 +71,84 @@ def answer_of(record: SweepRecord, spec_file: str | None, advice) -> Answer | No
            if samples and recipe.peak_lr and recipe.weight_decay else None)
     if fit.edge:
         notes.append(fit.edge)
-    answer = Answer(recipe, expected, ran, not ran, best.trial_id, _support(record, order, best), fit, tau,
-                    confirm_command(spec_file, None), samples=samples)
-    return with_confirmations(record, answer, notes)
+    better = fitted_recipe(recipe, fit, tau, samples)
+    answer = Answer(recipe, expected, ran, not ran, best.trial_id, _support(record, order, best, spec), fit, tau,
+                    confirm_command(spec_file, None), samples=samples, better=better)
+    return kept(record, with_confirmations(record, answer, notes))
+
+
+BETTER = math.sqrt(2)  # the checked fit's best LR must lie further than this from the answer's to predict better
+
+
+def fitted_recipe(r: Recipe, fit, tau: float | None, samples: float | None) -> Recipe | None:
+    """The answer's batch with the checked fit's best LR (the bottom of its bowl at the end of training, kept below
+    the cliff), its weight decay through the answer's τ and D: where the fit beat both rules in the check, its best
+    LR lies inside the LRs it saw and further than BETTER from the answer's (the best the sweep sampled); else None.
+    An answer never better than its best trial would leave this evidence unused."""
+    from raysweep.optim import LR_RULE_POWER
+
+    if not (fit.fitted and fit.check and fit.check.used == "fit"):
+        return None
+    lr = fit.optimum(r.global_batch)
+    ceiling = ceiling_at(fit, r.global_batch, fit.exponent)
+    lr = min(lr, ceiling) if ceiling else lr
+    low, high = fit.lr_range
+    if not low <= lr <= high or abs(math.log(lr / r.peak_lr)) <= math.log(BETTER):
+        return None
+    wd = r.global_batch / (lr * tau * samples) if tau and samples else r.weight_decay
+    return dataclasses.replace(r, peak_lr=lr, base_lr=lr / (r.global_batch / r.reference_batch_size)
+                               ** LR_RULE_POWER[r.lr_rule], weight_decay=wd)
+
+
+def kept(record: SweepRecord, answer: Answer) -> Answer:
+    """The answer, or the fitted recipe where both ran complete confirmations and the fitted one measured better
+    (`tune --confirm` runs both on the same seeds); without both, a note says how to measure it."""
+    b = answer.better
+    if b is None:
+        return answer
+    mine = [c for c in record.confirmations if c.complete and c.global_batch == b.global_batch
+            and close(c.peak_lr, b.peak_lr, 1e-6)]
+    ours = answer.confirmed
+    words = (f"the checked fit puts the best peak LR at global batch {b.global_batch} at {b.peak_lr:.2e}, "
+             f"{b.peak_lr / answer.recipe.peak_lr:.2f}× the answer's (the best the sweep sampled there)")
+    if not mine or ours is None:
+        return dataclasses.replace(answer, notes=(*answer.notes, (
+            f"{words}: a better recipe is predicted (peak LR {b.peak_lr:.2e}, weight decay {b.weight_decay:.2e}); "
+            f"measure it beside this one on the same seeds: `{answer.confirm_command} --fitted`, or `tune --confirm`")))
+    theirs = mine[-1]
+    a, f = ours.measured("value"), theirs.measured("value")
+    if a is None or f is None:
+        return answer
+    gain = (a - f if record.mode == "min" else f - a) / abs(a)
+    said = (f"{words}: on seeds {', '.join(str(r.get('seed')) for r in theirs.finished)} it measured "
+            f"{record.metric} {f:.4g} against the best trial's recipe's {a:.4g}")
+    if gain <= 0:
+        return dataclasses.replace(answer, better=None, notes=(
+            *answer.notes, f"{said} ({-gain:.1%} worse): the best trial's recipe is kept"))
+    expected = dataclasses.replace(answer.expected, value=f, time_to_target_s=theirs.measured("time_to_target_s"),
+                                   source=f"the fitted recipe's confirmation {theirs.parent_run_id}",
+                                   at="the whole budget", train_seconds=None)
+    return dataclasses.replace(answer, recipe=b, expected=expected, ran=True, predicted=False, trial_id=None,
+                               confirmed=theirs, better=None, confirm_command=f"{answer.confirm_command} --fitted",
+                               notes=(*answer.notes, f"{said} ({gain:.1%} better): the fitted recipe is the answer"))
+
+
+def fitted_answer(base: Answer) -> Answer:
+    """`--fitted`: the fitted recipe at the answer's batch as a recipe to confirm (a UserError where there is none)."""
+    from raysweep.errors import UserError
+
+    if base.better is None:
+        if base.trial_id is None and base.ran:  # already the fitted recipe, measured better
+            return base
+        why = (base.lr_fit.reason if not base.lr_fit.fitted else "the fit did not beat both rules in the check"
+               if not (base.lr_fit.check and base.lr_fit.check.used == "fit") else
+               "its best LR lies within √2 of the answer's, or outside the LRs it saw")
+        raise UserError(f"--fitted: the sweep predicts no better recipe at global batch {base.recipe.global_batch} "
+                        f"than its best trial's ({why}); confirm the answer itself")
+    return dataclasses.replace(base, recipe=base.better, ran=False, predicted=True, trial_id=None, better=None,
+                               confirmed=None, confirm_command=f"{base.confirm_command} --fitted",
+                               notes=(f"the checked fit's recipe at the answer's batch: to beat {base.expected.metric} "
+                                      f"{base.expected.value:.4g}, the best trial's",))
 
 
 def recipe_of(t: RunRecord, spec) -> Recipe:
@@ -103,7 +179,7 @@ def model_of(t: RunRecord, spec) -> dict:
             "parameters": int(count) if count else None}
 
 
-def _support(record: SweepRecord, order: list[RunRecord], best: RunRecord) -> list[dict]:
+def _support(record: SweepRecord, order: list[RunRecord], best: RunRecord, spec) -> list[dict]:
     """The trials behind the answer: it, the others of its global batch (how its LR and decay fared), and the best
     of every other batch (what the other batches reached)."""
     def row(t: RunRecord, role: str) -> dict:
@@ -112,7 +188,7 @@ def _support(record: SweepRecord, order: list[RunRecord], best: RunRecord) -> li
                 "weight_decay": t.number(M.weight_decay), "warmup_epochs": t.number(M.warmup_epochs),
                 "epoch": t.epoch, record.metric: t.last(record.metric),
                 "time_to_target_s": t.last(M.time_to_target_s),
-                "whole_budget": ran_whole(t, record.target is not None)}
+                "whole_budget": ran_whole(t, spec)}
 
     batch = best.number(M.global_batch_size)
     rows = [row(best, "the answer")]

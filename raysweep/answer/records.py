@@ -185,6 +185,7 @@ class Answer:
     notes: tuple[str, ...] = ()  # what a reader must know: the LR's source, an extrapolation, other confirmations
     confirmations: list[ConfirmationRecord] = field(default_factory=list)  # every confirmation of this sweep
     samples: float | None = None  # D: training samples the recipe trains over its whole budget
+    better: Recipe | None = None  # the checked fit's recipe at this batch, where it puts the best LR elsewhere
 
     def as_json(self) -> dict:
         """answer.json: the recipe's keys at the top, then the evidence."""
@@ -205,6 +206,9 @@ class Answer:
             "expected": asdict(self.expected), "trial_id": self.trial_id, "trials": self.trials, "tau": self.tau,
             "confirm_command": self.confirm_command, "notes": list(self.notes),
             "confirmations": [c.as_dict() for c in self.confirmations],
+            "better": None if self.better is None else {
+                "peak_lr": self.better.peak_lr, "base_lr": self.better.base_lr,
+                "weight_decay": self.better.weight_decay, "confirm_command": f"{self.confirm_command} --fitted"},
         }
 
     def params(self) -> dict[str, str]:

@@ -11,7 +11,7 @@ and with it this file); this package only computes and draws:
 - importance.py: which knob mattered (fANOVA at a budget every compared trial reached), and trials named by their
   settings;
 - page.py: report.html;
-- here: what the report computes (the answer: raysweep/answer.py; the recommendation and how it held), building it,
+- here: what the report computes (the answer: raysweep/answer/; the recommendation and how it held), building it,
   publishing it into a folder of its own (`claim_folder`), and the `report` subcommand.
 """
 
@@ -41,7 +41,7 @@ __all__ = ["ANSWER_FILE", "PLOTS", "REPORT_MARKER", "Importance", "SummaryRow", 
 @dataclass(frozen=True)
 class SweepReport:
     record: SweepRecord
-    answer: Answer | None  # the sweep's one answer (answer.py); None when no trial ranked
+    answer: Answer | None  # the sweep's one answer (raysweep/answer/); None when no trial ranked
     rows: list[SummaryRow]  # ranked, best first (failed trials and those without the metric left out)
     baseline: RunRecord | None
     recommendation: Recommendation | None
@@ -199,7 +199,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     """`python -m raysweep report`: the newest sweep of a spec's experiment (or of --experiment), from the
     store alone (no Ray). Exit 0, or 2 (UserError) for an unknown experiment or an empty store."""
     from raysweep import console, tracking
-    from raysweep.answer import show
+    from raysweep.answer import console as answer_console
 
     if (spec is None) == (experiment is None):
         raise UserError("report: give a spec (e.g. search_spaces/quickstart.yaml) or --experiment NAME, not both")
@@ -217,5 +217,5 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     record = tracking.load_sweep(uri, experiment)
     report = publish(record, out or default_out, config.command_args if spec is not None else None)
     console.print_report(report)
-    show.print_answer(report.answer)
+    answer_console.print_answer(report.answer)
     return 0

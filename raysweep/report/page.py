@@ -87,8 +87,9 @@ def _answer(report, run_url: str) -> str:
     if a is None:
         return "<h2 id='answer'>The answer</h2><p>None: no trial finished or was pruned.</p>"
     r, e, fit = a.recipe, a.expected, a.lr_fit
-    kind = ("predicted (not yet run)" if a.trial_id is None else "predicted: its trial did not run the whole budget"
-            if a.predicted else "ran")
+    kind = ("predicted (not yet run)" if a.trial_id is None and a.predicted else
+            "predicted: its trial did not run the whole budget" if a.predicted else "ran" if a.trial_id else
+            "the checked fit's recipe, confirmed better than the best trial's")
     rows = [("model", f"<b>{html.escape(r.model_line)}</b> (the recipe is this network's)"),
             ("global batch", f"<b>{r.global_batch}</b> = per-GPU {r.per_gpu_batch_size} × {r.num_workers} workers × "
                              f"{r.grad_accum_steps} accumulation"),
@@ -101,7 +102,7 @@ def _answer(report, run_url: str) -> str:
         expects += f"; the target in {e.time_to_target_s:.1f} training seconds"
     if e.samples is not None:
         expects += f"; after {e.samples:,.0f} training samples" + (f" (≈ {e.seconds:.1f} s)" if e.seconds else "")
-    rows.append(("expects", f"{expects} <small>({html.escape(e.source)})</small>"))
+    rows.append(("expects", f"{expects} at {html.escape(e.at)} <small>({html.escape(e.source)})</small>"))
     if a.trial_id is not None:
         links = ", ".join(f"{html.escape(t['trial_id'])} ({html.escape(t['role'])}, batch {t['global_batch']}, "
                           f"{html.escape(e.metric)} {fmt(t.get(e.metric))})" for t in a.trials[:6])
@@ -112,10 +113,13 @@ def _answer(report, run_url: str) -> str:
                                              f"<b>{html.escape(fit.supports)}</b> ({html.escape(fit.reason)})"))
     else:
         rows.append(("LR for other batches", f"not fitted: {html.escape(fit.reason)}"))
+    from raysweep.answer.console import used_words
+
+    rows.append(("another batch", html.escape(used_words(fit))))
     for note in a.notes:
         rows.append(("note", html.escape(note)))
     if a.confirmed is not None:
-        from raysweep.answer.show import confirmation_line
+        from raysweep.answer.console import confirmation_line
 
         rows.append(("confirmed", html.escape(confirmation_line(a.confirmed))))
     rows.append(("confirm it", f"<code>{html.escape(a.confirm_command)}</code> (two seeds, the whole budget, "

@@ -50,7 +50,7 @@ def log_answer(tracking_uri: str, run_id: str, answer) -> None:
     answer's figure stands beside it (MLflow keeps a metric's history; it cannot delete one)."""
     from mlflow.entities import Metric, Param, RunTag
 
-    from raysweep.answer import METRIC_KEYS
+    from raysweep.answer.records import METRIC_KEYS
 
     client = mlflow_client(tracking_uri)
     held = client.get_run(run_id).data.params

@@ -40,8 +40,9 @@ def print_answer(answer, written: str | None = None) -> None:
         print("\nanswer: none: no trial finished or was pruned (see the failures above)")
         return
     r, e, fit = answer.recipe, answer.expected, answer.lr_fit
-    kind = "predicted, not yet run" if answer.predicted and answer.trial_id is None else \
-        "predicted: its trial did not run the whole budget" if answer.predicted else "ran"
+    kind = ("predicted, not yet run" if answer.predicted and answer.trial_id is None else
+            "predicted: its trial did not run the whole budget" if answer.predicted else "ran" if answer.trial_id
+            else "the checked fit's recipe, confirmed better than the best trial's")
     print(f"\nanswer ({kind}): global batch {r.global_batch} = per-GPU {r.per_gpu_batch_size} × {r.num_workers} "
           f"workers × {r.grad_accum_steps} accumulation, peak LR {r.peak_lr:.2e}, warmup {r.warmup_epochs:g} "
           f"epoch{'s' if r.warmup_epochs != 1 else ''}, weight decay {r.weight_decay:.2e}")
@@ -73,7 +74,7 @@ def print_answer(answer, written: str | None = None) -> None:
               f"{', '.join(map(str, fit.batches))} ({fit.budget}); B_noise ≈ {fmt(fit.b_noise, ',.0f')}")
     else:
         print(f"  LR × B:   not fitted ({fit.reason})")
-    print(f"  other B:  {_used(fit)}")
+    print(f"  other B:  {used_words(fit)}")
     for note in answer.notes:
         print(f"  note:     {note}")
     if answer.confirmed is not None:
@@ -86,7 +87,10 @@ def print_answer(answer, written: str | None = None) -> None:
 def print_confirming(answer, seeds: tuple[int, ...]) -> None:
     """What `confirm` is about to run: the recipe, its seeds, the whole budget."""
     r = answer.recipe
-    what = "the sweep's answer" if answer.trial_id else f"the predicted recipe at global batch {r.global_batch}"
+    what = ("the sweep's answer" if answer.trial_id else
+            f"the checked fit's recipe at the answer's global batch {r.global_batch}"
+            if answer.confirm_command.endswith("--fitted") else
+            f"the predicted recipe at global batch {r.global_batch}")
     print(f"confirm: {what}: global batch {r.global_batch} (per-GPU {r.per_gpu_batch_size} × {r.num_workers} × "
           f"{r.grad_accum_steps}), peak LR {r.peak_lr:.2e}, warmup {r.warmup_epochs:g}, weight decay "
           f"{r.weight_decay:.2e}; seeds {', '.join(map(str, seeds))}, each for its whole budget, outside ASHA",
@@ -123,7 +127,7 @@ def _supports(fit) -> str:
     return "supports neither the linear nor the square-root rule"
 
 
-def _used(fit) -> str:
+def used_words(fit) -> str:
     """How a predicted batch gets its LR (answer.fit's check), in words."""
     check = fit.check
     if check is None:
@@ -154,3 +158,8 @@ def confirmation_line(c) -> str:
     if p.seconds and seconds is not None:
         line += f"; to the answer's value in {seconds:.1f} s against {p.seconds:.1f} s predicted"
     return line
+
+
+def print_verdict(line: str) -> None:
+    """`confirm`'s verdict, or what it runs next (confirm.verdict, confirm.run_with_fitted)."""
+    print(f"confirm: {line}", flush=True)
