@@ -142,7 +142,7 @@ def fit_lr(record: SweepRecord, spec, b_noise: float | None, ranked: list[RunRec
 
     def without(reason: str) -> LrFit:
         fit = LrFit(None, None, "undetermined", trials, batches, words, b_noise, reason, ceilings=ceilings)
-        return _checked(fit, data, center, ranked, spec)
+        return _checked(fit, data, center, ranked)
 
     if trials < MIN_FIT_TRIALS or len(batches) < 2:
         return without(f"{trials} finished and pruned trials over {len(batches)} global batch(es): the fit needs "
@@ -168,7 +168,7 @@ def fit_lr(record: SweepRecord, spec, b_noise: float | None, ranked: list[RunRec
               f"interval from {len(exponents)} bootstrap resamples of the trials")
     fit = LrFit(float(alpha), (low, high), supports, trials, batches, words, b_noise, reason, holds, coef, center,
                 (float(data[:, 2].min()), float(data[:, 2].max())), ceilings=ceilings)
-    return _checked(fit, data, center, ranked, spec)
+    return _checked(fit, data, center, ranked)
 
 
 def _best_by_batch(ranked: list[RunRecord]) -> dict[int, RunRecord]:
@@ -200,7 +200,7 @@ def _own_best(data, batch: int, fallback: float) -> float:
     return bottom if lrs.min() <= bottom <= lrs.max() else fallback
 
 
-def _checked(fit: LrFit, data, center, ranked: list[RunRecord], spec) -> LrFit:
+def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:
     """The fit with its check (the module's docstring) and the searched range's edge, where there is one."""
     import dataclasses
 
@@ -225,10 +225,10 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord], spec) -> LrFit:
         rule = "sqrt" if means["sqrt"] <= means["none"] else "none"
         used = "fit" if "fit" in means and means["fit"] < means[rule] else rule
         check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[rule])
-    return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked, best, spec))
+    return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked))
 
 
-def _edge(fit: LrFit, ranked: list[RunRecord], best: dict[int, RunRecord], spec) -> str | None:
+def _edge(fit: LrFit, ranked: list[RunRecord]) -> str | None:
     """One line where the answer's batch has its best LR at (or past) the edge of the LRs tried there: its best
     trial's LR within EDGE of the largest (smallest) tried, or the fit's bottom past it, with the range of
     search.base_lr to search next. A diverged trial above closes the upper edge (the cliff is found)."""

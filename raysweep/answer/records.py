@@ -43,7 +43,7 @@ class Recipe:
     grad_clip: float | None
     model: dict = field(default_factory=dict)  # the network it is for: factory, kwargs, parameters (model_of)
     resolved_epochs: int | None = None  # the epochs it trains: `epochs`, or what fills time_budget_s
-    train_size: int | None = None  # training samples a epoch draws from
+    train_size: int | None = None  # training samples an epoch draws from
     image: dict = field(default_factory=dict)  # height, width, channels, length, charset size (num_classes)
     seed: int | None = None  # train.seed of the run it comes from
 
