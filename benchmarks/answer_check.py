@@ -7,7 +7,9 @@ confirmation on the same task.
     python benchmarks/answer_check.py --quick    # the code path in about two minutes (CI): the sweep fits its LR
 
 The grid runs in this process with raysweep's own rank code (worker.run.TrainingRun: the model, the step, the
-schedule fitted to train.time_budget_s, evaluation), one rank, the threads a worker of the spec gets. Per batch: a
+schedule, evaluation), one rank, the threads a worker of the spec gets, every cell of a batch for the same epochs:
+those that fill the training seconds at the batch's measured pace (the sweep's trials fit theirs to
+train.time_budget_s, each from its own first epochs). Per batch: a
 coarse pass over LRs 2× apart (one seed), then the √2 midpoints on both sides of its best, then a second seed at its
 best three: the cells near the optimum are √2 apart and measured twice (the spread between seeds is reported). A
 diverging cell is recorded as diverged. The sweep is `python -m raysweep tune SPEC --confirm` in a fresh folder:
@@ -90,17 +92,37 @@ class Trainer:
             torch.set_num_threads(mode["workers_cpus"])  # what a worker of the spec gets (OMP_NUM_THREADS)
         setup_device(self.device)
         self.data = load_data(config.data)
-        self.epochs: dict[tuple[int, float], int] = {}  # the epochs each cell's seconds held
+        self.epochs: dict[tuple[int, float], int] = {}  # the epochs each cell trained
+        self.fixed: dict[int, int] = {}  # the epochs of every cell at a batch (epochs_for)
 
-    def final_val_loss(self, batch: int, lr: float, seed: int | None = None, label: str = "grid") -> float:
-        """One run at (global batch, peak LR) for the spec's training seconds (`seed`: its train.seed, else the
-        spec's): its last epoch's val_loss (inf where it diverged)."""
+    def epochs_for(self, batch: int) -> int:
+        """The epochs that fill the spec's training seconds at `batch`, from one pace run's steady epoch (its second:
+        the first holds the warm-up of the kernels): the same for every cell of the batch, so the grid compares LRs
+        at equal samples. A time budget fixed per run from its own first epochs varied 5 to 9 epochs at one batch."""
+        if batch not in self.fixed:
+            trial, run = self._run(batch, 1e-3, None, 2)
+            first, second = run.epoch(1), run.epoch(2)
+            pace = max(second.train_seconds - first.train_seconds, 1e-6)
+            self.fixed[batch] = max(1, min(trial.train.epochs, round(self.mode["seconds"] / pace)))
+            print(f"pace  batch {batch:>5}  {pace:.2f} s an epoch → {self.fixed[batch]} epochs a cell", flush=True)
+        return self.fixed[batch]
+
+    def _run(self, batch: int, lr: float, seed: int | None, epochs: int):
+        """A rank's TrainingRun at (global batch, peak LR) for `epochs` epochs, no time budget."""
         from raysweep.worker.run import TrainingRun
 
+        train = self.config.train.model_copy(update={"time_budget_s": None, "epochs": epochs})
+        config = self.config.model_copy(update={"train": train})
         knobs = {"per_gpu_batch_size": batch, "base_lr": lr, **({"seed": seed} if seed is not None else {})}
-        trial = self.config.trials.trial(knobs, len(self.data.train))
+        trial = config.trials.trial(knobs, len(self.data.train))
         run = TrainingRun.build(trial, self.data, 0, 1, self.device)
         run.restore(None)
+        return trial, run
+
+    def final_val_loss(self, batch: int, lr: float, seed: int | None = None, label: str = "grid") -> float:
+        """One run at (global batch, peak LR) for the batch's epochs (`epochs_for`; `seed`: its train.seed, else the
+        spec's): its last epoch's val_loss (inf where it diverged)."""
+        trial, run = self._run(batch, lr, seed, self.epochs_for(batch))
         epoch, last = 1, None
         while epoch <= run.epochs:
             last = run.epoch(epoch)
@@ -241,7 +263,7 @@ def report(mode: dict, truth: dict, trainer: Trainer, answer: dict, predicted: s
         "left_out_batch": mode["left_out"], "left_out_predicted_lr": lr_left, "left_out_keep_lr": keep,
         "left_out_sqrt_lr": sqrt_rule, "left_out_grid_argmin_lr": argmin, "left_out_grid_vertex_lr": vertex,
         "left_out_confirmed": left_confirmed,
-        "grid_epochs": {f"{b} {x:.2e}": e for (b, x), e in trainer.epochs.items()},
+        "grid_epochs": {f"{b} {x:.2e}": e for (b, x), e in trainer.epochs.items()}, "grid_batch_epochs": trainer.fixed,
         "answer_epochs": answer.get("resolved_epochs"), "answer_trial_epoch": best_trial.get("epoch"),
         "grid": {f"{b} {x:.2e}": v for (b, x), v in sorted(truth.items())},
     }
