@@ -100,10 +100,10 @@ class Trainer:
         the first holds the warm-up of the kernels): the same for every cell of the batch, so the grid compares LRs
         at equal samples. A time budget fixed per run from its own first epochs varied 5 to 9 epochs at one batch."""
         if batch not in self.fixed:
-            trial, run = self._run(batch, 1e-3, None, 2)
+            _, run = self._run(batch, 1e-3, None, 2)
             first, second = run.epoch(1), run.epoch(2)
             pace = max(second.train_seconds - first.train_seconds, 1e-6)
-            self.fixed[batch] = max(1, min(trial.train.epochs, round(self.mode["seconds"] / pace)))
+            self.fixed[batch] = max(1, min(self.config.train.epochs, round(self.mode["seconds"] / pace)))
             print(f"pace  batch {batch:>5}  {pace:.2f} s an epoch → {self.fixed[batch]} epochs a cell", flush=True)
         return self.fixed[batch]
 
