@@ -264,6 +264,9 @@ def test_answer_and_confirm_without_a_sweep_are_one_line_naming_the_spec(tmp_pat
     for command in (["answer", str(path)], ["confirm", str(path)]):
         assert main([*command, "--tracking-uri", f"sqlite:///{other}"]) == 2
         assert f"no MLflow store at {other}" in capsys.readouterr().err
+    for command in ("answer", "confirm"):  # --fitted is the answer's own batch: with --batch, one line, before Ray
+        assert main([command, str(path), "--fitted", "--batch", "64"]) == 2
+        assert "--fitted with --batch 64: --fitted is the answer's own batch" in capsys.readouterr().err
     assert main(["confirm", str(path), "--fail-above", "-1"]) == 2
     assert "--fail-above -1.0: expected a percentage of 0 or more" in capsys.readouterr().err
     assert main(["confirm", str(path), "--seeds", "1,x"]) == 2
