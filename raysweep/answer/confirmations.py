@@ -34,10 +34,15 @@ def with_confirmations(record: SweepRecord, answer: Answer, notes: list[str]) ->
     return dataclasses.replace(answer, confirmed=confirmed, confirmations=runs, notes=(*answer.notes, *notes))
 
 
-def miss(measured: float | None, expected: float | None, mode: str) -> float | None:
-    """How far a measured value falls short of the expected one, as a fraction of it (0 where it is as good or
-    better; `mode`: tune.mode); None where either is missing."""
+def shortfall(measured: float | None, expected: float | None, mode: str) -> float | None:
+    """How much worse a measured value is than another, as a fraction of the other (negative: better; `mode`:
+    tune.mode); None where either is missing."""
     if measured is None or expected is None or not math.isfinite(measured) or expected == 0:
         return None
-    worse = measured - expected if mode == "min" else expected - measured
-    return max(worse, 0.0) / abs(expected)
+    return (measured - expected if mode == "min" else expected - measured) / abs(expected)
+
+
+def miss(measured: float | None, expected: float | None, mode: str) -> float | None:
+    """How far a measured value falls short of the expected one (0 where it is as good or better)."""
+    short = shortfall(measured, expected, mode)
+    return None if short is None else max(short, 0.0)

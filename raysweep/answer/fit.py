@@ -65,6 +65,7 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
     rung k, len(rungs) at its end where it ran whole; progress the share of its whole budget's epochs behind the
     value (1 at the end). The trials counted; the budgets in words."""
     from raysweep.asha import AshaPlan
+    from raysweep.report.importance import reading_at  # report/importance.py: metrics alone, never the report
 
     plan = AshaPlan.of(spec)
     rungs, end = sorted(plan.rungs), len(plan.rungs)
@@ -75,7 +76,7 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
         if t.status not in (FINISHED, PRUNED) or not (batch and lr):
             continue
         whole = t.number(M.resolved_epochs) or t.last(M.resolved_epochs) or spec.train.epochs
-        mine = [(k, *_at(t, record.metric, plan.time_attr, b)) for k, b in enumerate(rungs)]
+        mine = [(k, *reading_at(t, record.metric, plan.time_attr, b)) for k, b in enumerate(rungs)]
         if ran_whole(t, spec):
             mine.append((end, t.epoch, t.last(record.metric)))
         mine = [(trials, batch, lr, k, sign * v, min(epoch / whole, 1.0)) for k, epoch, v in mine
@@ -92,15 +93,6 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
     if end in kept:
         words.append("the end of each trial that ran its whole budget")
     return rows, len({r[0] for r in rows}), " and ".join(words) or "nowhere: too few trials at any budget"
-
-
-def _at(t: RunRecord, metric: str, clock: str, budget: float) -> tuple[int, float | None]:
-    """A trial's (epoch, metric) at its first report at or past `budget` in `clock` (ASHA's read; None: never)."""
-    times, values = t.history.get(clock) or {}, t.history.get(metric) or {}
-    for epoch in sorted(e for e in times if e in values):
-        if times[epoch] >= budget - 1e-9:
-            return epoch, values[epoch]
-    return 0, None
 
 
 def _bowl(data, center, slope: bool = True) -> tuple[float, float, float] | None:

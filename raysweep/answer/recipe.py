@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 
-from raysweep.answer.confirmations import close, with_confirmations
+from raysweep.answer.confirmations import close, shortfall, with_confirmations
 from raysweep.answer.fit import ceiling_at, fit_lr, ran_whole
 from raysweep.answer.records import Answer, Expected, Recipe
 from raysweep.metrics import FINISHED, MODEL_FACTORY, MODEL_KWARGS, MODEL_PARAMETERS, RunRecord, SweepRecord
@@ -117,9 +117,10 @@ def kept(record: SweepRecord, answer: Answer) -> Answer:
             f"measure it beside this one on the same seeds: `{answer.confirm_command} --fitted`, or `tune --confirm`")))
     theirs = mine[-1]
     a, f = ours.measured("value"), theirs.measured("value")
-    if a is None or f is None:
+    short = shortfall(f, a, record.mode)
+    if short is None:
         return answer
-    gain = (a - f if record.mode == "min" else f - a) / abs(a)
+    gain = -short
     said = (f"{words}: on seeds {', '.join(str(r.get('seed')) for r in theirs.finished)} it measured "
             f"{record.metric} {f:.4g} against the best trial's recipe's {a:.4g}")
     if gain <= 0:

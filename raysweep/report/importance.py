@@ -143,13 +143,19 @@ class Importance:
                 "trials": len(self.points), "evaluator": "fanova", "importance": self.importance}
 
 
-def value_at(t: RunRecord, metric: str, clock: str, budget: float) -> float | None:
-    """A trial's metric at its first report at or past `budget` in `clock` (None: it never got there)."""
+def reading_at(t: RunRecord, metric: str, clock: str, budget: float) -> tuple[int, float | None]:
+    """A trial's (epoch, metric) at its first report at or past `budget` in `clock`, where ASHA read it ((0, None):
+    it never got there)."""
     times, values = t.history.get(clock) or {}, t.history.get(metric) or {}
     for epoch in sorted(e for e in times if e in values):
         if times[epoch] >= budget - 1e-9:
-            return values[epoch]
-    return None
+            return epoch, values[epoch]
+    return 0, None
+
+
+def value_at(t: RunRecord, metric: str, clock: str, budget: float) -> float | None:
+    """A trial's metric at its first report at or past `budget` in `clock` (None: it never got there)."""
+    return reading_at(t, metric, clock, budget)[1]
 
 
 def knob_importance(record: SweepRecord) -> Importance | None:
