@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA check raysweep has, in one command for a lent GPU machine (the step limits sum to 9 minutes):
+# Every CUDA check raysweep has, in one command for a lent GPU machine (the step limits sum to 9.5 minutes):
 #   1. the `gpu` tests (tests/test_gpu.py, tests/test_slot_memory.py)         -> gpu_tests.txt
 #   2. gpu_throughput.py: batch 64-4096 x bf16/fp32 x how the step runs (as a trial does, eager,
 #      compiled, compiled + CUDA graphs), most telling first, within a time budget -> gpu_throughput.txt
@@ -93,7 +93,7 @@ if [[ $SMOKE == 1 ]]; then
 else
     # one Inductor cache for the suite's own processes (compile_cache.py makes its own, to measure it)
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor}
-    step tests gpu_tests.txt 130 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_slot_memory.py -rA \
+    step tests gpu_tests.txt 160 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_slot_memory.py -rA \
         -p no:cacheprovider
     step throughput gpu_throughput.txt 150 "$PY" benchmarks/gpu_throughput.py --batches 1024,64,256,4096 \
         --compile auto,off,graphs,on --budget-s 100 --steps 30 --json "$WORK/throughput.json"

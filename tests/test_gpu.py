@@ -6,9 +6,10 @@ has (a real allocator OOM, the host-sync detector, CUDA graphs) is in tests mark
 `benchmarks/gpu_suite.sh` runs the `gpu` ones on a lent GPU machine, which has PyTorch but not Ray, MLflow or
 captcha: they drive the rank code (raysweep/worker) in a plain process, as a Ray Train worker would.
 
-Two ranks on one GPU cannot use NCCL (it refuses two ranks on the same device), so the multi-rank cases run
-gloo with CUDA tensors: the same DDP, communication hook and all-reduces of CUDA tensors, over another
-transport (gloo stages them through host memory). NCCL itself is not exercised here.
+The multi-rank cases run the project's shape, a trial of three ranks, as three processes: on the CPU, and on one
+GPU shared by the three. NCCL refuses two ranks on the same device, so they run gloo with CUDA tensors: the same
+DDP, communication hook and all-reduces of CUDA tensors, over another transport (gloo stages them through host
+memory). NCCL itself is not exercised here.
 """
 
 from __future__ import annotations
@@ -411,10 +412,12 @@ def test_one_rank_measures_the_noise_scale_by_halves_between_graph_replays(devic
 
 
 # ---------------------------------------------------------------------------------------------
-# Two ranks (gloo): CPU tensors on the CPU, CUDA tensors on one GPU
+# Three ranks (gloo), a trial's shape: CPU tensors on the CPU, CUDA tensors on one GPU that the three share
+
+WORLD = 3
 
 
-def _two_rank_cases(rank: int, world: int, device_type: str) -> dict:
+def _rank_cases(rank: int, world: int, device_type: str) -> dict:
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(0)
@@ -430,7 +433,7 @@ def _two_rank_cases(rank: int, world: int, device_type: str) -> dict:
     out["metrics"] = dataclasses.asdict(run.epoch(1))
     out["weights"] = [float(p.detach().double().sum()) for p in run.net.core.parameters()]
     # the probe: rank 1 alone runs out of memory (its share of the GPU capped; on the CPU, injected); every rank
-    # must call it OOM
+    # must call it OOM (the outcome is all-reduced: a MAX over three, where two of them fit)
     big = 8192 if cuda else 256
     ok = probe_step(run.net, trial, 64)
     if rank == 1:
@@ -458,28 +461,33 @@ def _two_rank_cases(rank: int, world: int, device_type: str) -> dict:
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
-def two_ranks(request):
-    return request.param, run_ranks(_two_rank_cases, 2, device_type=request.param)
+def ranks(request):
+    return request.param, run_ranks(_rank_cases, WORLD, device_type=request.param)
 
 
-def test_two_ranks_train_in_lockstep_and_measure_the_noise_scale(two_ranks):
-    device_type, (first, second) = two_ranks
-    assert first["metrics"] == second["metrics"]  # every figure is all-reduced
-    assert first["weights"] == second["weights"]  # DDP: identical steps
+def test_three_ranks_train_in_lockstep_and_measure_the_noise_scale(ranks):
+    device_type, results = ranks
+    assert len(results) == WORLD
+    first = results[0]
+    for other in results[1:]:
+        assert other["metrics"] == first["metrics"]  # every figure is all-reduced
+        assert other["weights"] == first["weights"]  # DDP: identical steps
     metrics = first["metrics"]
-    assert metrics["samples_seen"] == 512 and math.isfinite(metrics["train_loss"])
+    # each rank's equal share of the 512, in whole steps of its per-rank batch 16: 3 × 10 × 16
+    assert metrics["samples_seen"] == WORLD * (512 // WORLD // 16) * 16 == 480
+    assert math.isfinite(metrics["train_loss"])
     assert metrics["grad_sq_norm"] is not None and metrics["grad_trace_cov"] is not None  # the hook's pair
     assert (metrics["peak_mem_allocated_gb"] > 0) == (device_type == "cuda")
 
 
-def test_two_ranks_agree_on_an_oom_that_only_one_of_them_hit(two_ranks):
-    assert [r["probe"] for r in two_ranks[1]] == [(True, False, True)] * 2
+def test_three_ranks_agree_on_an_oom_that_only_one_of_them_hit(ranks):
+    assert [r["probe"] for r in ranks[1]] == [(True, False, True)] * WORLD
 
 
-def test_two_ranks_stop_together_on_a_nan_that_only_one_of_them_saw(two_ranks):
-    device_type, ranks = two_ranks
+def test_three_ranks_stop_together_on_a_nan_that_only_one_of_them_saw(ranks):
+    device_type, results = ranks
     step = 3 if device_type == "cuda" else 2  # one step late on a GPU, at once on a CPU
-    for r in ranks:
+    for r in results:
         kind, message, last_step = r["diverged"]
         assert (kind, last_step) == ("diverged", step) and message.endswith("at epoch 1, step 3")
 
