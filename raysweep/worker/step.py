@@ -34,20 +34,22 @@ GRAPH_WARMUP_STEPS = 2  # eager steps before the capture: AdamW's state, cuDNN's
 UNCAPTURABLE: set[str] = set()  # models (name and kwargs) whose step failed to capture in this process: run eager
 
 
-def _undo_capture(graph, generator, rng_before, device: torch.device) -> None:
+def _undo_capture(pool, generator, rng_before, device: torch.device) -> None:
     """What a capture that failed midway leaves in the process, undone. The device's RNG stays in capture mode:
     every later random op (the next trial's dropout, the probe's random batch) raised "Offset increment outside
     graph capture encountered unexpectedly" (seen on an H200): its state from before the capture goes back. The
-    caching allocator keeps sending the capture stream's allocations to the graph's private pool and keeps the pool
-    (torch's CUDAGraph::capture_end, aten/src/ATen/cuda/CUDAGraph.cpp, ends both only after cudaStreamEndCapture
-    succeeds; seen on an H200: 798 MiB stayed reserved after the next trial): ended and released here, where this
-    torch has the calls (2.8 and later)."""
+    caching allocator keeps the capture in its `captures_underway` and keeps the graph's private pool (torch's
+    CUDAGraph::capture_end, aten/src/ATen/cuda/CUDAGraph.cpp, ends both only after cudaStreamEndCapture succeeds).
+    While a capture is listed as underway, the allocator defers every freed block that another stream used
+    (c10/cuda/CUDACachingAllocator.cpp, `needs_events_deferred_until_no_capture`) and empty_cache cannot give it
+    back: on an H200 every later trial of the process left 208-798 MiB reserved. Both are ended here by `pool`,
+    the id the capture was given (CUDAGraph::pool() refuses a capture that did not end), where this torch has the
+    calls (2.8 and later)."""
     generator.graphsafe_set_state(rng_before)
     index = device.index if device.index is not None else 0
     end, release = getattr(torch._C, "_cuda_endAllocateToPool", None), getattr(torch._C, "_cuda_releasePool", None)
     if end is not None and release is not None:
         try:
-            pool = graph.pool()
             end(index, pool)
             release(index, pool)
         except Exception as e:  # noqa: BLE001 - a capture that failed before it had a pool
@@ -238,9 +240,10 @@ class TrainStep:
         gradients are zeroed before every step, and the update reads the gradients only after a completed
         backward."""
         graph = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()  # named here: a failed capture has no graph.pool() to ask
 
         def capture():
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):
                 self.gradients(self.idx, self.captured_measures)
                 self.update()
 
@@ -249,7 +252,7 @@ class TrainStep:
         try:
             self.clock.time(capture)
         except Exception as e:  # CUDA's capture errors are RuntimeErrors like any other
-            _undo_capture(graph, generator, rng_before, self.device)
+            _undo_capture(pool, generator, rng_before, self.device)
             if isinstance(e, torch.OutOfMemoryError):
                 raise
             self.graphs = False
