@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA check raysweep has, in one command for a lent GPU machine (the step limits sum to 9.5 minutes):
+# Every CUDA check raysweep has, in one command for a lent GPU machine (the step limits sum to 580 s):
 #   1. the `gpu` tests (tests/test_gpu.py, tests/test_slot_memory.py)         -> gpu_tests.txt
 #   2. gpu_throughput.py: batch 64-4096 x bf16/fp32 x how the step runs (as a trial does, eager,
 #      compiled, compiled + CUDA graphs), most telling first, within a time budget -> gpu_throughput.txt
@@ -95,10 +95,10 @@ else
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor}
     step tests gpu_tests.txt 160 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_slot_memory.py -rA \
         -p no:cacheprovider
-    step throughput gpu_throughput.txt 150 "$PY" benchmarks/gpu_throughput.py --batches 1024,64,256,4096 \
+    step throughput gpu_throughput.txt 140 "$PY" benchmarks/gpu_throughput.py --batches 1024,64,256,4096 \
         --compile auto,off,graphs,on --budget-s 100 --steps 30 --json "$WORK/throughput.json"
     step probe gpu_probe.txt 100 "$PY" benchmarks/gpu_probe.py --json "$WORK/probe.json"
-    step compile_cache compile_cache.txt 110 "$PY" benchmarks/compile_cache.py --trials 2 --json "$WORK/compile_cache.json"
+    step compile_cache compile_cache.txt 130 "$PY" benchmarks/compile_cache.py --trials 2 --json "$WORK/compile_cache.json"
     step profile gpu_profile.txt 50 "$PY" benchmarks/gpu_throughput.py --profile --batches 1024 --precisions bf16 \
         --compile auto --steps 10 --json "$WORK/profile.json"
 fi
