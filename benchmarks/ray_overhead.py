@@ -113,11 +113,16 @@ class CpuShare:
             self.done.wait(0.5)
 
     def window(self, t0: float, t1: float) -> tuple[float, list[tuple[float, str]]]:
-        """(seconds between the samples nearest t0 and t1, [(CPU seconds, process), ...] most first)."""
+        """(seconds between the last sample at or before t0 and the first at or after t1, [(CPU seconds, process),
+        ...] most first): the samples that bracket the window, so a window shorter than the sampling interval
+        (--quick's epochs, or a loaded machine's) still spans one. (0, []) where fewer than two samples bracket it."""
         self.done.set()
         self.thread.join()
-        a = min(self.samples, key=lambda s: abs(s[0] - t0))
-        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        if not before or not after:
+            return 0.0, []
+        a, b = before[-1], after[0]
         used = [(cpu - a[1][pid][1], name) for pid, (name, cpu) in b[1].items() if pid in a[1]]
         return b[0] - a[0], sorted(used, reverse=True)
 
@@ -241,9 +246,10 @@ def timeline(config, data_ref, train_size: int, log: Path, label: str) -> None:
 
 def cpu_line(shares: list) -> None:
     """Where the two cores went during the all-cores trials' reports: the worker's share, and the rest by process."""
-    if not shares:
-        return
     span = sum(s for s, _ in shares)
+    if span <= 0:
+        print("CPU during the Ray trials' epochs: not measured (no two samples, 0.5 s apart, bracket their reports)")
+        return
     by: dict[str, float] = {}
     for _, used in shares:
         for cpu, name in used:
