@@ -75,6 +75,31 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group("side" if side else "main"))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails with MemoryError (a C++ std::bad_alloc arrives as one) gets a section naming the machine's
+    memory at that moment and the processes that held most of it: CI keeps only the output."""
+    outcome = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(MemoryError):
+        outcome.get_result().sections.append(("memory at the failure", _memory_now()))
+
+
+def _memory_now(top: int = 12) -> str:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    rows = []
+    for p in psutil.process_iter(["pid", "cmdline", "name", "memory_info"]):
+        try:
+            command = " ".join(p.info["cmdline"] or [p.info["name"]])[:90]
+            rows.append((p.info["memory_info"].rss, p.info["pid"], command))
+        except (psutil.Error, TypeError, AttributeError):
+            pass
+    rows.sort(reverse=True)
+    return "\n".join([f"available {vm.available / 2**30:.1f} of {vm.total / 2**30:.1f} GiB, {len(rows)} processes"]
+                     + [f"{rss / 2**20:8.0f} MiB  pid {pid}  {cmd}" for rss, pid, cmd in rows[:top]])
+
+
 @contextmanager
 def s3_api(ip: str):
     """A real S3 API (moto's server) on `ip`, a free port, with bucket `sweeps`; yields (the storage URI root that
