@@ -115,16 +115,25 @@ class CpuShare:
     def window(self, t0: float, t1: float) -> tuple[float, list[tuple[float, str]]]:
         """(seconds between the last sample at or before t0 and the first at or after t1, [(CPU seconds, process),
         ...] most first): the samples that bracket the window, so a window shorter than the sampling interval
-        (--quick's epochs, or a loaded machine's) still spans one. (0, []) where fewer than two samples bracket it."""
+        (--quick's epochs, or a loaded machine's) still spans one. (0, []) where fewer than two samples bracket it.
+        Each process counts up to the last sample it is in: the trial's worker often exits before the sample after
+        the last report, and a process missing from that sample alone was left out (its CPU with it)."""
         self.done.set()
         self.thread.join()
-        before = [s for s in self.samples if s[0] <= t0]
-        after = [s for s in self.samples if s[0] >= t1]
-        if not before or not after:
+        first = max((i for i, s in enumerate(self.samples) if s[0] <= t0), default=None)
+        last = min((i for i, s in enumerate(self.samples) if s[0] >= t1), default=None)
+        if first is None or last is None:
             return 0.0, []
-        a, b = before[-1], after[0]
-        used = [(cpu - a[1][pid][1], name) for pid, (name, cpu) in b[1].items() if pid in a[1]]
-        return b[0] - a[0], sorted(used, reverse=True)
+        start = self.samples[first][1]
+        seen: dict[int, tuple[str, float]] = {}
+        for _, row in self.samples[first:last + 1]:
+            for pid, (name, cpu) in row.items():
+                if pid in start:
+                    # an actor's title once seen is kept: an exiting process shows ray::IDLE or no title
+                    keep = pid in seen and not (name.startswith("ray::") and name != "ray::IDLE")
+                    seen[pid] = (seen[pid][0] if keep else name, cpu)
+        used = [(cpu - start[pid][1], name) for pid, (name, cpu) in seen.items()]
+        return self.samples[last][0] - self.samples[first][0], sorted(used, reverse=True)
 
 
 def process_label(cmdline: str) -> str:
