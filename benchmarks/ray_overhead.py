@@ -98,19 +98,22 @@ class CpuShare:
         self.thread.start()
 
     def _poll(self):
+        while not self.done.is_set():
+            self.samples.append(self._sample())
+            self.done.wait(0.5)
+
+    def _sample(self) -> tuple[float, dict]:
         import psutil
 
-        while not self.done.is_set():
-            row = {}
-            for p in self.me.children(recursive=True):
-                try:
-                    with p.oneshot():
-                        t = p.cpu_times()
-                        row[p.pid] = (" ".join(p.cmdline()) or p.name(), t.user + t.system)
-                except psutil.Error:  # a process that exited mid-walk
-                    pass
-            self.samples.append((time.time(), row))
-            self.done.wait(0.5)
+        row = {}
+        for p in self.me.children(recursive=True):
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    row[p.pid] = (" ".join(p.cmdline()) or p.name(), t.user + t.system)
+            except psutil.Error:  # a process that exited mid-walk
+                pass
+        return time.time(), row
 
     def window(self, t0: float, t1: float) -> tuple[float, list[tuple[float, str]]]:
         """(seconds between the last sample at or before t0 and the first at or after t1, [(CPU seconds, process),
@@ -120,6 +123,8 @@ class CpuShare:
         the last report, and a process missing from that sample alone was left out (its CPU with it)."""
         self.done.set()
         self.thread.join()
+        if not self.samples or self.samples[-1][0] < t1:  # fit() returned within one interval of its last report
+            self.samples.append(self._sample())
         first = max((i for i, s in enumerate(self.samples) if s[0] <= t0), default=None)
         last = min((i for i, s in enumerate(self.samples) if s[0] >= t1), default=None)
         if first is None or last is None:
