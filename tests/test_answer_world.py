@@ -336,7 +336,8 @@ def test_an_answer_without_a_fit_leaves_no_earlier_fit_in_mlflow(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    run = client.create_run(client.create_experiment("w")).info.run_id
+    # the experiment's artifacts in tmp_path: a SQLite store's default artifact root is ./mlruns, the repository
+    run = client.create_run(client.create_experiment("w", str(tmp_path / "artifacts"))).info.run_id
     sweep = world()
     fitted = _answer(sweep)
     assert fitted.lr_fit.fitted
