@@ -650,6 +650,16 @@ def test_a_tracking_server_that_hangs_mid_sweep_ends_it_within_retry_s_and_a_min
         server.wait(timeout=30)
 
 
+def _what_happened(log: str, tail: int = 1500) -> str:
+    """A driver's log for an assertion: its timed lines about waits, starts, failures and retries (the first 40),
+    then its last `tail` characters."""
+    import re
+
+    lines = [line[:200] for line in log.splitlines()
+             if re.search(r"waits for|timed out|fail|retr|attempt|restart|error|sweep:", line, re.IGNORECASE)]
+    return "\n".join(lines[:40]) + "\n[...]\n" + log[-tail:]
+
+
 def _sweep_seconds(log: str) -> float:
     """A sweep's wall time, from its summary line (`sweep: 3 trials in 48s: …`)."""
     import re
@@ -665,8 +675,10 @@ def test_two_sweeps_started_together_on_one_cluster_both_finish_every_trial(ray_
 
     from conftest import ROOT
 
-    # two drivers joining the session's 2-CPU cluster 2 s apart, each sweep longer than a worker group's start-up
-    # wait (2 × 15 s): before, the second one's group timed out while the first held every CPU
+    # two drivers joining the session's 2-CPU cluster 2 s apart, one trial each, each sweep longer than a worker
+    # group's start-up wait (2 × 15 s): before, the second one's group timed out while the first held every CPU. One
+    # trial a sweep: the second's group waited 19 s here (the first's trial up in 20 s, 13 s of training); with two
+    # each, both sweeps ran past a 480 s deadline in CI's loaded run (a's table: a trial with no epoch reported)
     address = ray_cluster.get_runtime_context().gcs_address
     drivers = []
     for name in ("a", "b"):
@@ -677,7 +689,7 @@ def test_two_sweeps_started_together_on_one_cluster_both_finish_every_trial(ray_
                          search={"per_gpu_batch_size": 16, "base_lr": {"loguniform": [1.0e-3, 3.0e-3]},
                                  "warmup_epochs": 1, "weight_decay": 1.0e-4},
                          train={"epochs": 5, "reference_batch_size": 64},
-                         tune={"num_samples": 2, "asha": {"grace_period": 5, "max_t": 5}})
+                         tune={"num_samples": 1, "asha": {"grace_period": 5, "max_t": 5}})
         log = open(folder / "driver.log", "w")
         drivers.append((folder, subprocess.Popen(
             [sys.executable, "-m", "raysweep", "tune", str(write_spec(folder, spec)), "--address", address],
@@ -699,12 +711,13 @@ def test_two_sweeps_started_together_on_one_cluster_both_finish_every_trial(ray_
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
     logs = {folder.name: (folder / "driver.log").read_text() for folder, _ in drivers}
-    assert codes == [0, 0], (codes, {k: v[-2500:] for k, v in logs.items()})
+    assert codes == [0, 0], (codes, {k: _what_happened(v) for k, v in logs.items()})
     for folder, _ in drivers:
         client = _client(folder)
         runs = client.search_runs([client.get_experiment_by_name(folder.name).experiment_id])
         children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-        assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children), logs[folder.name][-2500:]
+        assert len(children) == 1 and all(r.info.status == "FINISHED" for r in children), \
+            _what_happened(logs[folder.name])
     # each sweep held the cluster's CPUs longer than the other's group may wait to start (2 × 15 s): the one that
     # lost the race for them waited (its slot for free resources, or its trial's next attempt, failure: infra)
     walls = [_sweep_seconds(log) for log in logs.values()]

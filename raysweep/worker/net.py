@@ -189,15 +189,18 @@ class EagerOnFailure(nn.Module):
 
 
 def _drop_frames(error: BaseException) -> None:
-    """Clear the frames of `error`'s tracebacks (and of the errors it chains): Dynamo's hold the module, its inputs
-    and the exception itself, a reference cycle that kept a finished trial's model, optimizer and step alive until
-    the cyclic collector ran (tests/test_slot_memory.py)."""
-    import traceback
-
-    seen = set()
-    while error is not None and id(error) not in seen:
+    """Unlink the tracebacks of `error` and of the errors it chains: Dynamo's frames hold the module, its inputs and
+    the exception itself, a reference cycle that kept a finished trial's model, optimizer and step alive until the
+    cyclic collector ran (tests/test_slot_memory.py). With the links gone the frames go by reference counting.
+    Unlinking, not `traceback.clear_frames`: clearing runs code the frames' owners did not ask for (a suspended
+    generator's frame is finalized, closing the generator) on frames Dynamo's C code evaluated
+    (torch/csrc/dynamo/eval_frame.c); the one test that cleared them died twice in CI's long-lived test process
+    (std::bad_alloc, then a crash), never here, and unlinking frees the same objects."""
+    seen, chained = set(), [error]
+    while chained:
+        error = chained.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
-        if error.__traceback__ is not None:
-            traceback.clear_frames(error.__traceback__)
-            error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+        error.__traceback__ = None
+        chained += [error.__cause__, error.__context__]
