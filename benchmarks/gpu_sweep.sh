@@ -11,6 +11,9 @@
 # torch and the NVIDIA libraries (the machine's own CUDA build serves). The script unpacks it into /tmp and puts
 # /tmp/device_site on PYTHONPATH. Then, on the machine with the GPU, in a checkout with the archive copied in:
 #   bash benchmarks/gpu_sweep.sh            # one command, sized for a 10-minute limit
+#   SHARED=3 bash benchmarks/gpu_sweep.sh   # the project's three-rank trial on the one GPU: three Ray Train workers
+#                                           # holding a third of it each, over gloo (scaling.workers_per_gpu)
+#                                           # -> $OUT/gpu_sweep_shared.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -24,8 +27,13 @@ fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
 cd "$WORK"
-python3 -m raysweep tune "$ROOT/search_spaces/one_gpu.yaml" --set storage_path="$WORK/results" \
+SHARE=() NAME=gpu_sweep
+if [[ -n "${SHARED:-}" ]]; then
+    SHARE=(--set "scaling.num_workers=$SHARED" --set "scaling.workers_per_gpu=$SHARED" --set scaling.cpus_per_worker=2)
+    NAME=gpu_sweep_shared
+fi
+python3 -m raysweep tune "$ROOT/search_spaces/one_gpu.yaml" --set storage_path="$WORK/results" "${SHARE[@]}" \
     --set data.synthetic.train_size=20000 --set data.synthetic.val_size=2000 --set tune.num_samples=4 \
     --set train.epochs=8 --set train.checkpoint_every=2 \
     --set 'tune.asha={max_t: 8, grace_period: 2, reduction_factor: 2}' --set 'search.warmup_epochs={randint: [0, 2], default: 1}' \
-    2>&1 | tee "$OUT/gpu_sweep.txt"
+    2>&1 | tee "$OUT/$NAME.txt"

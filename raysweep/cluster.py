@@ -189,10 +189,11 @@ def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_sampl
             f"the cluster has no '{TRIAL_DRIVER}' resource; start its head with "
             f"ray start --head --resources='{{\"{TRIAL_DRIVER}\": 8}}' (cluster.yaml does)"
         )
-    if s.use_gpu and gpus < s.num_workers:
+    if s.use_gpu and gpus < s.gpus:
         raise UserError(
-            f"scaling: a trial needs {s.num_workers} GPUs ({s.num_workers} workers × 1) but the cluster has {gpus:g}; "
-            f"lower scaling.num_workers to {int(gpus)} or set scaling.use_gpu: false" if gpus >= 1 else
+            f"scaling: a trial needs {s.gpus:g} GPU(s) ({s.num_workers} workers × "
+            f"{'1' if s.workers_per_gpu == 1 else f'1/{s.workers_per_gpu}'}) but the cluster has {gpus:g}; lower "
+            f"scaling.num_workers to {int(gpus * s.workers_per_gpu)} or set scaling.use_gpu: false" if gpus > 0 else
             "scaling.use_gpu: true but the cluster has no GPU; set scaling.use_gpu: false (CPU workers, gloo) "
             "or run on a GPU cluster (--address)"
         )
@@ -209,13 +210,14 @@ def plan_concurrency(resources: dict[str, float], config: SweepConfig, num_sampl
             held = f" (free of {total}: other jobs hold the rest)"
     fit = int(cpus // need_cpu)
     if s.use_gpu:
-        fit = min(fit, int(gpus // s.num_workers))
+        fit = min(fit, int(gpus // s.gpus))
     n = min(fit, int(drivers), num_samples, config.tune.max_concurrent_trials or fit)
     unit = f"{gpus:g} GPU" if s.use_gpu else f"{cpus:g} CPU"
     if n < 1:
-        short = f"{s.num_workers} GPUs and {need_cpu:g} CPUs" if s.use_gpu else f"{need_cpu:g} CPUs"
+        short = f"{s.gpus:g} GPUs and {need_cpu:g} CPUs" if s.use_gpu else f"{need_cpu:g} CPUs"
         return Plan(0, f"waiting for {short} free for one trial's workers: {unit} free{held}")
-    message = f"{unit}{held}, {s.num_workers} workers/trial → {n} trial{'s' if n > 1 else ''} at a time"
+    shared = f" ({s.workers_per_gpu} to a GPU, gloo)" if s.shares_gpu else ""
+    message = f"{unit}{held}, {s.num_workers} workers/trial{shared} → {n} trial{'s' if n > 1 else ''} at a time"
     if n == 1 and num_samples > 1:
         message += "; ASHA prunes sequentially"
     return Plan(n, message)
@@ -356,14 +358,18 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
     `code`: the user's model code for the workers (usercode.ship: {"py_modules": [...]}, or {}).
     """
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
 
     extra_config = {"compile_cache": compile_cache, **(extra_config or {})}
     resources = {"CPU": trial.scaling.cpus_per_worker}
     if trial.scaling.use_gpu:
-        resources["GPU"] = 1
+        resources["GPU"] = trial.scaling.gpus_per_worker  # 1, or 1/k where k workers share a GPU
     return _trainer_class()(
         worker_fn,
         train_loop_config={"trial": trial.to_dict(), "data": data_ref, **extra_config},
+        # ranks sharing a GPU: gloo (it all-reduces CUDA tensors); NCCL refuses two ranks of one communicator on one
+        # device (ray-project/ray#48012). Otherwise Ray Train's choice: NCCL with GPUs, gloo without
+        torch_config=TorchConfig(backend="gloo") if trial.scaling.shares_gpu else None,
         scaling_config=ScalingConfig(
             num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
         ),

@@ -261,6 +261,25 @@ def test_plan_for_three_gpus_three_workers(tmp_path):
         plan_concurrency({"CPU": 8, "GPU": 8, "trial_driver": 8}, config, 20)
 
 
+def test_three_workers_sharing_one_gpu_plan_a_third_each_and_bad_shares_are_one_line(tmp_path):
+    from raysweep.slots.resources import group_resources
+
+    scaling = {"num_workers": 3, "use_gpu": True, "workers_per_gpu": 3, "cpus_per_worker": 1}
+    config = load_config_from(tmp_path, {"scaling": scaling})
+    plan = plan_concurrency({"CPU": 16, "GPU": 1, "trial_driver": 8}, config, num_samples=4)
+    assert plan.trials_at_once == 1
+    assert plan.message == "1 GPU, 3 workers/trial (3 to a GPU, gloo) → 1 trial at a time; ASHA prunes sequentially"
+    assert plan_concurrency({"CPU": 16, "GPU": 2, "trial_driver": 8}, config, 4).trials_at_once == 2
+    assert group_resources(config.scaling.model_dump()) == {"CPU": 3, "GPU": 1.0}  # what a slot waits for
+    with pytest.raises(UserError, match=r"a trial needs 1 GPU\(s\) \(3 workers × 1/3\) but the cluster has 0.5"):
+        plan_concurrency({"CPU": 16, "GPU": 0.5, "trial_driver": 8}, config, 4)
+    for bad, said in (({"workers_per_gpu": 3}, "workers_per_gpu 3 needs use_gpu: true"),
+                      ({"use_gpu": True, "workers_per_gpu": 4}, "workers_per_gpu 4 is more than num_workers 3")):
+        path = write_spec(tmp_path, tiny_spec(tmp_path, scaling={"num_workers": 3, **bad}))
+        with pytest.raises(UserError, match=said):
+            load_config(path)
+
+
 def test_plan_respects_cpus_cap_and_trial_drivers(tmp_path):
     config = load_config_from(tmp_path, {"scaling": {"num_workers": 2, "cpus_per_worker": 2},
                                          "tune": {"max_concurrent_trials": 3}})

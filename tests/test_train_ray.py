@@ -156,3 +156,65 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
         assert time.monotonic() < deadline, f"alive after fit() returned: {alive}"
         time.sleep(0.5)
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+SHARED_GPU_DRIVER = r"""
+import json, os, sys
+import ray
+from raysweep.cluster import make_trainer, ray_init_kwargs
+from raysweep.config import load_config
+
+out = sys.argv[2]
+
+def worker(config):  # what each rank got: Ray's GPU share, the device Ray Train names, the process group
+    import ray.train, ray.train.torch, torch, torch.distributed as dist
+    rank = ray.train.get_context().get_world_rank()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    seen = {"gpu_ids": [str(i) for i in ray.get_gpu_ids()], "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": str(ray.train.torch.get_device()), "backend": dist.get_backend(), "world": dist.get_world_size(),
+            "sum": total.item(), "node": ray.get_runtime_context().get_node_id()}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+# one node with three CPUs and one GPU, as Ray counts it (a resource: this machine has no CUDA)
+ray.init(num_cpus=3, num_gpus=1, **ray_init_kwargs(worker_start_timeout_s=60))
+config = load_config(sys.argv[1])
+trial = config.trials.trial(config.trials.default_knobs(), train_size=192)
+make_trainer(trial, None, os.path.join(out, "runs"), "shared", worker_fn=worker).fit()
+print("DONE")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_three_workers_share_one_gpu_a_third_each_over_gloo(tmp_path):
+    """scaling.workers_per_gpu: 3 on a node Ray counts one GPU on (a resource here; the lent GPU machine runs the
+    same trainer on CUDA): one group of three, each worker holding a third of GPU 0 and naming the same device,
+    the process group gloo (NCCL refuses two ranks on one device) and its all-reduce across the three."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    spec = write_spec(tmp_path, tiny_spec(tmp_path, scaling={"num_workers": 3, "use_gpu": True, "workers_per_gpu": 3}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own, not the session's
+    env["PYTHONPATH"] = str(ROOT)
+    driver, log = tmp_path / "driver.py", tmp_path / "driver.log"
+    driver.write_text(SHARED_GPU_DRIVER)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(driver), str(spec), str(tmp_path)], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = f"still running after 240 s (killed): {proc.wait(timeout=30)}"
+    said = log.read_text()
+    assert code == 0 and "DONE" in said, (code, said[-4000:])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert {r["backend"] for r in ranks} == {"gloo"} and {r["world"] for r in ranks} == {3}
+    assert {r["sum"] for r in ranks} == {6.0}  # 1 + 2 + 3: the all-reduce crossed all three
+    assert [r["gpu_ids"] for r in ranks] == [["0"]] * 3 and {r["visible"] for r in ranks} == {"0"}
+    assert {r["device"] for r in ranks} == {"cuda:0"} and len({r["node"] for r in ranks}) == 1

@@ -140,6 +140,11 @@ class ScalingConfig(Section):
 
     num_workers: PosInt = Field(2, description="DDP ranks per trial (one GPU each when use_gpu)")
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL; false → CPU workers, gloo")
+    workers_per_gpu: PosInt = Field(
+        1, description="with use_gpu, how many workers share one GPU: each holds 1/k of it in Ray and in memory, "
+        "over gloo (NCCL refuses two ranks on one GPU). For testing a trial's several ranks on a one-GPU machine, "
+        "not for speed: gloo moves the gradients through the host"
+    )
     cpus_per_worker: PosFloat = Field(1, description="CPUs reserved per worker (sets its OMP threads)")
     worker_start_timeout_s: PosFloat = Field(
         60, description="a worker group not started by then fails its trial instead of waiting forever"
@@ -148,6 +153,31 @@ class ScalingConfig(Section):
         3, description="a warm group whose set-up (device, data, process group) fails this many times in a row ends "
         "its slot; its trial fails (failure: infra), and while no group of the shape ever set up, so do the others"
     )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.workers_per_gpu > 1 and not self.use_gpu:
+            raise ValueError(f"workers_per_gpu {self.workers_per_gpu} needs use_gpu: true (CPU workers share no GPU); "
+                             f"set workers_per_gpu: 1")
+        if self.workers_per_gpu > self.num_workers:
+            raise ValueError(f"workers_per_gpu {self.workers_per_gpu} is more than num_workers {self.num_workers}; "
+                             f"set it to {self.num_workers} at most")
+        return self
+
+    @property
+    def gpus_per_worker(self) -> float:
+        """What one worker holds of a GPU (Ray's resource, and its share of the device's memory); 0 on CPU."""
+        return 1.0 / self.workers_per_gpu if self.use_gpu else 0.0
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Several ranks on one GPU: gloo instead of NCCL, each rank's memory capped to its share."""
+        return self.use_gpu and self.workers_per_gpu > 1
+
+    @property
+    def gpus(self) -> float:
+        """GPUs one trial's group holds."""
+        return self.num_workers * self.gpus_per_worker
 
 
 class TrainConfig(Section):

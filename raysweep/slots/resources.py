@@ -17,7 +17,7 @@ def group_resources(scaling: dict) -> dict[str, float]:
     """What a worker group of this shape (a TrialConfig dict's scaling) holds in its placement group."""
     need = {"CPU": scaling["num_workers"] * scaling["cpus_per_worker"]}
     if scaling["use_gpu"]:
-        need["GPU"] = float(scaling["num_workers"])
+        need["GPU"] = scaling["num_workers"] / scaling.get("workers_per_gpu", 1)
     return need
 
 

@@ -57,9 +57,15 @@ def resolve_graphs(setting: bool | str, device: torch.device, precision: str, wo
     return possible and bool(setting)
 
 
-def setup_device(device: torch.device) -> None:
+_memory_share = 1.0  # what setup_device gave this process of its GPU's memory
+
+
+def setup_device(device: torch.device, share: float = 1.0) -> None:
     """Once per process. CUDA: cuDNN picks each convolution's fastest algorithm by timing them, once per shape
-    (every micro-batch of a trial has the same shape, epoch_plan). CPU: keep_host_memory."""
+    (every micro-batch of a trial has the same shape, epoch_plan); where `share` < 1 (scaling.workers_per_gpu ranks
+    on one GPU) the caching allocator is capped to that share of the device's memory, so that each rank's probe
+    and OOM ladder find its own part, not the whole device another rank also fills. CPU: keep_host_memory."""
+    global _memory_share
     # imported now, not by the first trial's optimizer (torch imports it lazily there): its import leaves a frame
     # in a reference cycle (torch.fx.wrap keeps its own frame), which would pin the calling trial's model and
     # optimizer until a garbage collection
@@ -67,8 +73,16 @@ def setup_device(device: torch.device) -> None:
 
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+        if share < 1.0:
+            torch.cuda.set_per_process_memory_fraction(share, device)
+            _memory_share = share
     else:
         keep_host_memory(device)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of device memory this process may use: a GPU's whole memory, or its share (setup_device)."""
+    return int(torch.cuda.get_device_properties(device).total_memory * _memory_share)
 
 
 def autocast(device: torch.device, precision: str):

@@ -86,10 +86,10 @@ def start_rank(config: dict) -> Rank:
     quiet_ray_train_logs()
     ctx = ray.train.get_context()
     # the model's code (shipped with the sweep) imports here, or the set-up fails naming the module and the node
-    resolve_on_worker(TrialConfig.from_dict(config["trial"]).model, ray.util.get_node_ip_address(),
-                      ray.get_runtime_context().get_node_id())
+    trial = TrialConfig.from_dict(config["trial"])
+    resolve_on_worker(trial.model, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     device = ray.train.torch.get_device()
-    setup_device(device)
+    setup_device(device, share=trial.scaling.gpus_per_worker or 1.0)
     FAULTS.check_setup()
     compile_cache.load_artifacts(config.get("compile_cache"))
     data = ray.get(config["data"])  # zero-copy from the node's object store

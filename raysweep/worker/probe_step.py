@@ -14,7 +14,7 @@ from torch import nn
 
 from raysweep.config import TrialConfig
 from raysweep.worker import faults
-from raysweep.worker.device import GiB, autocast
+from raysweep.worker.device import GiB, autocast, device_memory
 from raysweep.worker.net import RankModel
 from raysweep.worker.reduce import all_reduce_named
 from raysweep.worker.shard import model_input
@@ -85,7 +85,7 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
     kept.restore(net)
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-        total = torch.cuda.get_device_properties(device).total_memory
+        total = device_memory(device)  # a rank sharing its GPU (scaling.workers_per_gpu): its share
         torch.cuda.empty_cache()
     else:
         alloc = reserved = 0
