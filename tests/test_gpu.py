@@ -27,7 +27,7 @@ from raysweep.config import ImageSpec, Knobs, ModelConfig, ScalingConfig, TrainC
 from raysweep.data import CaptchaArrays, CaptchaData
 from raysweep.optim import build_scheduler, lr_at
 from raysweep.worker import faults
-from raysweep.worker.device import release_trial_memory, resolve_precision
+from raysweep.worker.device import release_trial_memory, resolve_precision, setup_device
 from raysweep.worker.faults import FaultInjection, TrialFailure
 from raysweep.worker.net import RankModel
 from raysweep.worker.probe_step import probe_step
@@ -430,6 +430,7 @@ def _rank_cases(rank: int, world: int, device_type: str) -> dict:
     if cuda:
         torch.cuda.set_device(0)
     device = torch.device("cuda:0" if cuda else "cpu")
+    setup_device(device, share=1 / world if cuda else 1.0)  # as a rank of scaling.workers_per_gpu: 3 sets itself up
 
     def wrap(model):
         return nn.parallel.DistributedDataParallel(model.to(device))
@@ -444,6 +445,8 @@ def _rank_cases(rank: int, world: int, device_type: str) -> dict:
     # must call it OOM (the outcome is all-reduced: a MAX over three, where two of them fit)
     big = 8192 if cuda else 256
     ok = probe_step(run.net, trial, 64)
+    if cuda:  # what the probe counts as this rank's memory: its third of the device
+        out["share"] = ok.device_memory_gb * GiB / torch.cuda.get_device_properties(device).total_memory
     if rank == 1:
         if cuda:
             torch.cuda.empty_cache()
@@ -454,7 +457,7 @@ def _rank_cases(rank: int, world: int, device_type: str) -> dict:
     big = probe_step(run.net, trial, big)
     again = probe_step(run.net, trial, 64)
     if cuda:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1 / world, device)
     out["probe"] = (ok.fits, big.fits, again.fits)
     # fp16: a NaN loss on rank 1 alone; the ranks agree through an all-reduce of the flag and stop together
     faults.FAULTS = FaultInjection(nan_at_step=3 if rank == 1 else None)
@@ -490,6 +493,8 @@ def test_three_ranks_train_in_lockstep_and_measure_the_noise_scale(ranks):
 
 def test_three_ranks_agree_on_an_oom_that_only_one_of_them_hit(ranks):
     assert [r["probe"] for r in ranks[1]] == [(True, False, True)] * WORLD
+    if ranks[0] == "cuda":  # each rank's allocator capped to its third (setup_device), and the probe counting that
+        assert [r["share"] for r in ranks[1]] == [pytest.approx(1 / WORLD, rel=1e-3)] * WORLD
 
 
 def test_three_ranks_stop_together_on_a_nan_that_only_one_of_them_saw(ranks):

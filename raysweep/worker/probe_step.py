@@ -31,7 +31,7 @@ class ProbeStep:
     peak_mem_reserved_gb: float
     peak_rss_gb: float  # process resident memory: the figure on CPU
     step_time_s: float
-    device_memory_gb: float  # the device's total memory (on CPU: the machine's)
+    device_memory_gb: float  # the device memory this rank may use (its share of a shared GPU; CPU: the machine's)
     images_per_s: float = 0.0  # global, when it fits (set by the probe command)
 
 
