@@ -296,12 +296,14 @@ def test_resumed_asha_refills_its_rungs_from_the_store_past_tunes_last_save(tmp_
 # A restart is exact: the rank code of a run restored from a checkpoint continues as the uninterrupted run would
 
 
-def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: int | None, folder: str,
-                        factory: str | None = None) -> dict:
-    """Four epochs of a 2-rank DDP run (dropout, warmup, accumulation, the noise meter); with `restart_after`,
-    the run is checkpointed after that epoch, dropped and rebuilt from the checkpoint (start-up probe included),
-    as a restarted worker group does. `factory`: a model of the user's (examples/models/) instead of the built-in
-    CNN. Returns each epoch's train loss and the final weights."""
+def _run_with_a_restart(rank: int, world: int, device_type: str, folder: str, factory: str | None = None,
+                        restart_after: int = 2) -> dict:
+    """Four epochs of a 2-rank DDP run (dropout, warmup, accumulation, the noise meter), checkpointed after epoch
+    `restart_after` and run on uninterrupted; then the run dropped and rebuilt from that checkpoint (start-up probe
+    included), as a restarted worker group does, and its last epochs run again. `factory`: a model of the user's
+    (examples/models/) instead of the built-in CNN. Returns each epoch's train loss and the final weights of both:
+    {"twin": ..., "restarted": ...}. One set of processes for both runs: the restarted one is rebuilt from the
+    file alone, after the twin moved every global random stream on (the run seeds its own per epoch)."""
     import torch
     from torch import nn
 
@@ -325,20 +327,28 @@ def _run_with_a_restart(rank: int, world: int, device_type: str, restart_after: 
         run.fit_in_memory()  # the OOM check at start-up, as every (re)started rank runs it
         return run, start
 
+    def kept(run, name: str) -> str:
+        # the weights in a file: a queue's pipe holds 64 KiB, and the spawned rank cannot exit before it is read
+        path = os.path.join(folder, f"weights-{name}-rank{rank}.npz")
+        np.savez(path, **{k: v.detach().cpu().numpy() for k, v in run.net.core.state_dict().items()})
+        return path
+
+    path = os.path.join(folder, f"state-rank{rank}.pt")
     run, start = started(None)
-    losses = {}
+    twin = {}
     for epoch in range(start, trial.train.epochs + 1):
-        losses[epoch] = run.epoch(epoch).train_loss
+        twin[epoch] = run.epoch(epoch).train_loss
         if epoch == restart_after:
-            path = os.path.join(folder, f"state-rank{rank}.pt")
             torch.save(run.state(epoch, {}), path)  # as the checkpoint saves it, read back as entry.load_latest does
-            del run
-            run, resumed_at = started(torch.load(path, map_location=device, weights_only=True))
-            assert resumed_at == epoch + 1
-    # the weights in a file: a queue's pipe holds 64 KiB, and the spawned rank cannot exit before it is read
-    weights = os.path.join(folder, f"weights-{restart_after}-rank{rank}.npz")
-    np.savez(weights, **{k: v.detach().cpu().numpy() for k, v in run.net.core.state_dict().items()})
-    return {"losses": losses, "weights": weights}
+    out = {"twin": {"losses": twin, "weights": kept(run, "twin")}}
+    del run
+    run, resumed_at = started(torch.load(path, map_location=device, weights_only=True))
+    assert resumed_at == restart_after + 1
+    restarted = {epoch: twin[epoch] for epoch in range(1, resumed_at)}  # the epochs before the checkpoint: the same
+    for epoch in range(resumed_at, trial.train.epochs + 1):
+        restarted[epoch] = run.epoch(epoch).train_loss
+    out["restarted"] = {"losses": restarted, "weights": kept(run, "restarted")}
+    return out
 
 
 @pytest.mark.parametrize("device_type,factory", [("cpu", None), ("cpu", "resnet:build"), ("cpu", "crnn:build"),
@@ -355,10 +365,10 @@ def test_a_run_restored_from_its_checkpoint_continues_exactly_as_the_uninterrupt
     from ranks import run_ranks
 
     monkeypatch.syspath_prepend(str(EXAMPLE_MODELS))  # the spawned ranks start with this process's sys.path
-    kwargs = dict(device_type=device_type, folder=str(tmp_path), factory=factory)
-    twin = run_ranks(_run_with_a_restart, 2, restart_after=None, **kwargs)[0]
-    restarted = run_ranks(_run_with_a_restart, 2, restart_after=2, **kwargs)[0]
+    both = run_ranks(_run_with_a_restart, 2, device_type=device_type, folder=str(tmp_path), factory=factory)[0]
+    twin, restarted = both["twin"], both["restarted"]
     exact = device_type == "cpu"
+    assert sorted(restarted["losses"]) == sorted(twin["losses"]) == [1, 2, 3, 4]
     for epoch, loss in twin["losses"].items():
         got = restarted["losses"][epoch]
         assert got == loss if exact else abs(got - loss) <= 1e-3 * abs(loss), (epoch, got, loss)
