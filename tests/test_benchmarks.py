@@ -99,8 +99,10 @@ def test_gpu_suite_cpu_smoke_runs_every_step_without_ray_mlflow_or_captcha(tmp_p
         assert re.search(rf"^step {step}: exit 0 in \d+ s", log, re.M), log
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py",
                "tests/test_slot_memory.py"]
-    collected = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
-    n_gpu_tests = int(re.search(r"^(\d+)(?:/\d+)? tests? collected", collected, re.M).group(1))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    counted = re.search(r"^(\d+)(?:/\d+)? tests? collected", done.stdout, re.M)
+    assert counted, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    n_gpu_tests = int(counted.group(1))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "cpu-smoke" and summary["failed_steps"] == []
     # -m gpu: the CUDA cases alone (the CPU cases of those files run in the suite proper), all skipped here
