@@ -25,6 +25,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,30 @@ def test_under_python_3_10_the_driver_and_the_node_setup_run(env310, tmp_path):
     assert "(python 3.10)" in pip.stdout, pip.stdout + pip.stderr
 
 
+def _tune(python: str, env: dict, spec: Path, tmp_path: Path, log: Path):
+    """`raysweep tune SPEC` under 3.10, its output to `log`: the exit code, or what stopped it."""
+    # a Ray temp folder of its own: the address file of a `ray start` the other lane's tests make in /tmp/ray
+    # would be a cluster to join (cluster.recorded_address); short, for the socket paths Ray puts under it
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rs310-", dir="/tmp"))
+    try:
+        with open(log, "w") as out:
+            driver = subprocess.Popen([python, "-m", "raysweep", "tune", str(spec)], cwd=tmp_path,
+                                      env={**env, "RAY_TMPDIR": str(ray_tmp)}, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        try:
+            return driver.wait(timeout=480)
+        except subprocess.TimeoutExpired:
+            sigkill_driver(driver)  # and the local Ray cluster it started
+            return "nothing: it ran past 480 s"
+        finally:  # what a driver that failed while starting Ray left in its session (a GCS, a raylet)
+            try:
+                os.killpg(driver.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 @pytest.mark.py310
 @pytest.mark.timeout(1200)
 def test_under_python_3_10_a_sweep_runs_end_to_end(env310, tmp_path):
@@ -171,22 +196,15 @@ def test_under_python_3_10_a_sweep_runs_end_to_end(env310, tmp_path):
 
     spec = write_spec(tmp_path, tiny_spec(tmp_path, **SWEEP))
     log = tmp_path / "tune.log"
-    # a Ray temp folder of its own: the address file of a `ray start` the other lane's tests make in /tmp/ray
-    # would be a cluster to join (cluster.recorded_address); short, for the socket paths Ray puts under it
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rs310-", dir="/tmp"))
-    try:
-        with open(log, "w") as out:
-            driver = subprocess.Popen([python, "-m", "raysweep", "tune", str(spec)], cwd=tmp_path,
-                                      env={**env, "RAY_TMPDIR": str(ray_tmp)}, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        try:
-            code = driver.wait(timeout=480)
-        except subprocess.TimeoutExpired:
-            sigkill_driver(driver)  # and the local Ray cluster it started
-            code = "nothing: it ran past 480 s"
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    out = log.read_text()
+    for attempt in (1, 2):
+        code = _tune(python, env, spec, tmp_path, log)
+        out = log.read_text()
+        # Ray waits a fixed 30 s for a new local raylet to register with its GCS (`raylet_start_wait_time_s` in
+        # ray/_private/node.py, no setting); beside the other lane's multi-node clusters it missed that twice here,
+        # before the sweep began. That is Ray's start on a loaded machine, not 3.10: once more, saying so
+        if code == 0 or attempt == 2 or "The current node timed out during startup" not in out:
+            break
+        print(f"the 3.10 sweep's local Ray did not start in Ray's 30 s (attempt {attempt}); starting it again")
     assert code == 0, f"the sweep under 3.10 exited {code}:\n{out[-5000:]}"
     assert re.search(r"^sweep: 2 trials in \d+s: (1 finished, 1|2 finished, 0) pruned by ASHA, 0 failed", out,
                      re.M), out[-3000:]
