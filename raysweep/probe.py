@@ -67,7 +67,7 @@ def probe_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     resolve_on_worker(trial.model, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     device = ray.train.torch.get_device()
-    setup_device(device, share=trial.scaling.gpus_per_worker or 1.0)
+    setup_device(device, share=1 / trial.scaling.workers_per_gpu)
     # eager: compiling each candidate batch would cost seconds to tens of seconds apiece. The compiled step needs
     # less (batch 1024 bf16 on an H100: 3.58 GiB allocated against 5.56 eager), so the eager bound is safe, and a
     # trial's own start-up probe step runs its compiled step anyway and downshifts where it does not fit

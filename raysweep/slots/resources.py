@@ -15,9 +15,12 @@ SHORT_HOOK_EVERY_S = 10.0  # how long a wait goes before `while_short` is called
 
 def group_resources(scaling: dict) -> dict[str, float]:
     """What a worker group of this shape (a TrialConfig dict's scaling) holds in its placement group."""
-    need = {"CPU": scaling["num_workers"] * scaling["cpus_per_worker"]}
-    if scaling["use_gpu"]:
-        need["GPU"] = scaling["num_workers"] / scaling.get("workers_per_gpu", 1)
+    from raysweep.config.sections import ScalingConfig
+
+    shape = ScalingConfig.model_validate(scaling)
+    need = {"CPU": shape.num_workers * shape.cpus_per_worker}
+    if shape.use_gpu:
+        need["GPU"] = shape.gpus  # 1/k a worker where k share a GPU
     return need
 
 

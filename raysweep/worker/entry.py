@@ -89,7 +89,7 @@ def start_rank(config: dict) -> Rank:
     trial = TrialConfig.from_dict(config["trial"])
     resolve_on_worker(trial.model, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     device = ray.train.torch.get_device()
-    setup_device(device, share=trial.scaling.gpus_per_worker or 1.0)
+    setup_device(device, share=1 / trial.scaling.workers_per_gpu)
     FAULTS.check_setup()
     compile_cache.load_artifacts(config.get("compile_cache"))
     data = ray.get(config["data"])  # zero-copy from the node's object store
