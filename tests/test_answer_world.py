@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from raysweep.metrics import ConfirmationRecord, RunRecord, SweepRecord, run_ending
+from raysweep.metrics import TAG_BASELINE, ConfirmationRecord, RunRecord, SweepRecord, run_ending
 
 SPEC = """name: w
 scaling: {num_workers: 2, use_gpu: false, cpus_per_worker: 1}
@@ -52,21 +52,23 @@ def rate(batch: float) -> float:
     return 200.0 * batch ** 0.5
 
 
-def _trial(i, per_gpu, base_lr, wd, rng, steeper=3.0) -> dict:
-    """A trial's whole course under the budget, before ASHA cuts it: every epoch's report."""
+def _trial(i, per_gpu, base_lr, wd, rng, steeper=3.0, budget_s=BUDGET_S) -> dict:
+    """A trial's whole course under the budget, before ASHA cuts it: every epoch's report. `budget_s` changes the
+    clock alone (the throughput with it): the same epochs in fewer seconds."""
     batch = 2 * per_gpu
     peak = base_lr * (batch / 64) ** 0.5
     steps = TRAIN_SIZE // batch
-    epoch_s = steps * batch / rate(batch) * (1 + EVAL_SHARE)
-    resolved = int(BUDGET_S // epoch_s)
+    speed = BUDGET_S / budget_s
+    epoch_s = steps * batch / (rate(batch) * speed) * (1 + EVAL_SHARE)
+    resolved = int(budget_s // epoch_s)
     own = 0.003 * rng.standard_normal()
     reports = []
     for e in range(1, resolved + 1):
         t = e * epoch_s
         diverged = math.log(peak / final_best(batch)) > CLIFF
         reports.append({"epoch": float(e), "train_seconds": t, "samples_seen": float(e * steps * batch),
-                        "samples_per_s": rate(batch), "grad_noise_scale": 400.0,
-                        "val_loss": math.nan if diverged else value(batch, peak, t / BUDGET_S, steeper) + own
+                        "samples_per_s": rate(batch) * speed, "grad_noise_scale": 400.0,
+                        "val_loss": math.nan if diverged else value(batch, peak, t / budget_s, steeper) + own
                         + 0.003 * rng.standard_normal()})
         if diverged:
             break
@@ -109,16 +111,42 @@ def _record(c: dict, reports: int) -> RunRecord:
     return RunRecord(f"run{c['i']}", f"t{c['i']}", status, params, history, tags, 20.0, c["i"] == 0)
 
 
-def world(n: int = 60, seed: int = 0, batches=(16, 32, 64, 128), spec: str = SPEC, steeper: float = 3.0
-          ) -> SweepRecord:
-    """n trials of random batch, LR (over 2.5 decades, so some diverge) and decay, cut by ASHA on noisy values."""
+def world(n: int = 60, seed: int = 0, batches=(16, 32, 64, 128), spec: str = SPEC, steeper: float = 3.0,
+          budget_s: float = BUDGET_S) -> SweepRecord:
+    """n trials of random batch, LR (over 2.5 decades, so some diverge) and decay, cut by ASHA on noisy values.
+    `budget_s`: the same courses on a faster clock, for a spec whose time budget and ASHA rungs are that much
+    shorter (tests/test_confirm_fitted.py: a spec a confirmation trains for real)."""
     rng = np.random.default_rng(seed)
     draws = [(int(rng.choice(batches)), float(np.exp(rng.uniform(math.log(1e-4), math.log(1e-2)))),
               float(np.exp(rng.uniform(math.log(1e-5), math.log(1e-2))))) for _ in range(n)]
-    courses = [_trial(i, *d, rng, steeper) for i, d in enumerate(draws)]
-    cut = _asha(courses)
+    courses = [_trial(i, *d, rng, steeper, budget_s) for i, d in enumerate(draws)]
+    cut = _asha(courses, rungs=tuple(r * budget_s / BUDGET_S for r in (2.0, 6.0, 18.0)))
     return SweepRecord("sqlite:///mlflow.db", "w", "1", "parent", "w 2026-11-28", "val_loss", "min", spec,
                        [_record(c, cut[c["i"]]) for c in courses])
+
+
+STATUS = {"finished": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}
+
+
+def write_world(record: SweepRecord, uri: str, artifacts: str) -> str:
+    """The made-up sweep in an MLflow store as `tune` leaves one: a parent run tagged raysweep.kind=tune with its
+    spec.yaml, a child run per trial with its params, its per-epoch metrics and its ending."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(uri)
+    experiment = client.create_experiment(record.experiment, artifact_location=artifacts)
+    parent = client.create_run(experiment, run_name=record.parent_name, tags={
+        "raysweep.kind": "tune", "raysweep.metric": record.metric, "raysweep.mode": record.mode}).info.run_id
+    client.log_text(parent, record.spec_text, "spec.yaml")
+    for t in record.trials:
+        tags = {"mlflow.parentRunId": parent, **t.tags, **({TAG_BASELINE: "true"} if t.baseline else {})}
+        run = client.create_run(experiment, run_name=t.trial_id, tags=tags).info.run_id
+        metrics = [Metric(name, value, 0, step) for name, steps in t.history.items() for step, value in steps.items()]
+        client.log_batch(run, metrics=metrics, params=[Param(k, v) for k, v in t.params.items()])
+        client.set_terminated(run, STATUS[t.status])
+    client.set_terminated(parent, "FINISHED")
+    return parent
 
 
 def _answer(record):

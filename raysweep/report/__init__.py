@@ -31,7 +31,7 @@ from raysweep.metrics import names as M
 from raysweep.noise import Held, Recommendation, held_against, recommend
 from raysweep.report import page
 from raysweep.report.importance import Importance, knob_importance, trial_labels
-from raysweep.report.plots import PLOTS, sweep_plots, trial_plot
+from raysweep.report.plots import PLOTS, drawn_key, sweep_plots, trial_key, trial_plot
 from raysweep.report.table import SummaryRow, ranked, summary_rows
 
 __all__ = ["ANSWER_FILE", "PLOTS", "REPORT_MARKER", "Importance", "SummaryRow", "SweepReport", "build", "claim_folder",
@@ -86,9 +86,10 @@ def recommendation(record: SweepRecord) -> Recommendation | None:
 
 
 def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:5000",
-          spec_args: str | None = None) -> tuple[SweepReport, dict]:
+          spec_args: str | None = None, earlier: str | None = None) -> tuple[SweepReport, dict]:
     """Write answer.json, the plots, the per-trial PNGs (under trials/) and report.html into `folder`. `spec_args`:
-    the spec file and overrides (config.SweepConfig.command_args), for the answer's confirm command.
+    the spec file and overrides (config.SweepConfig.command_args), for the answer's confirm command; `earlier`: a
+    report's location (a folder or URI) whose trial PNGs are kept where their trial did not change (`trial_pngs`).
     Returns the report and {child run id: its PNG} for tracking.log_report."""
     import json
 
@@ -102,16 +103,25 @@ def build(record: SweepRecord, folder: Path, ui_base: str = "http://127.0.0.1:50
     importance = knob_importance(record)
     labels = trial_labels(record)
     files = sweep_plots(record, [row.trial for row in rows], advice, importance, labels, folder)
-    trial_pngs = {}
-    for t in record.trials:
-        if t.history:
-            path = folder / "trials" / f"{t.trial_id}.png"
-            trial_plot(t, record.metric, labels[t.trial_id], path)
-            trial_pngs[t.run_id] = path
+    trial_pngs = {t.run_id: _trial_png(t, record.metric, labels[t.trial_id], folder, earlier)
+                  for t in record.trials if t.history}
     report = SweepReport(record, answer, rows, baseline, advice, checked, importance, str(folder), files)
     (folder / "report.html").write_text(page.render(report, ui_base))
     written = [ANSWER_FILE] if answer is not None else []
     return dataclasses.replace(report, files=[*files, "report.html", *written]), trial_pngs
+
+
+def _trial_png(t: RunRecord, metric: str, label: str, folder: Path, earlier: str | None) -> Path:
+    """A trial's PNG under `folder`/trials: the `earlier` report's where it was drawn from what the trial is now
+    (plots.trial_key), else drawn."""
+    path = folder / "trials" / f"{t.trial_id}.png"
+    kept = storage.read_bytes(storage.join(earlier, "trials", path.name)) if earlier else None
+    if kept is not None and drawn_key(kept) == trial_key(t, metric, label):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(kept)
+    else:
+        trial_plot(t, metric, label, path)
+    return path
 
 
 REPORT_MARKER = ".raysweep-report"  # in a local report folder: raysweep wrote the folder (claim_folder)
@@ -134,7 +144,7 @@ def publish(record: SweepRecord, location: str, spec_args: str | None = None) ->
         claim_folder(Path(location))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        report, trial_pngs = build(record, folder, spec_args=spec_args)
+        report, trial_pngs = build(record, folder, spec_args=spec_args, earlier=location)
         tracking.log_report(record.tracking_uri, record, folder, trial_pngs,
                             [row.as_dict(record.metric) for row in report.rows])
         if report.answer is not None:
