@@ -60,10 +60,12 @@ NOT_QUICK_MODULES = ("test_benchmarks.py",)
 # figures). test_gpu.py's CPU cases (no Ray: the loop, compile, two gloo ranks) run in the side lane too, to even
 # the lanes: in a fresh-clone run the main lane's tests took 3619 s, the side lane's 2910 s, test_gpu.py's 353 s.
 # With it moved: main 3395 s, side 2797 s; test_docs.py (222 s, no session cluster: its quickstart is a process with
-# a Ray of its own, its site build and browser none) went too.
+# a Ray of its own, its site build and browser none) went too. A later fresh-clone run: main 3864 s, side 3416 s;
+# test_batches.py (165 s) and test_noise.py (87 s), rank processes and no session cluster, moved to the side lane, with
+# test_report_reuse.py (30 s, no Ray), as test_confirm_fitted.py (110 s) joined the main lane.
 SIDE_LANE_MARKERS = ("hosts", "py310")
 SIDE_LANE_MODULES = ("test_benchmarks.py", "test_driver_scale.py",  # each a subprocess of its own, its own Ray
-                     "test_gpu.py", "test_docs.py")
+                     "test_gpu.py", "test_docs.py", "test_batches.py", "test_noise.py", "test_report_reuse.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py)

@@ -164,3 +164,9 @@ def test_answer_check_quick_runs_the_grid_the_sweep_and_the_prediction():
     for name in ("answer_grid_point_vs_grid_best", "left_out_keep_lr_vs_grid_argmin",
                  "left_out_sqrt_lr_vs_grid_argmin"):
         assert re.search(rf"^RESULT {name} ratio=\d+\.\d+$", out, re.M), name
+
+
+def test_report_rebuild_quick():
+    out = _run("report_rebuild.py")
+    assert "report_rebuild: a made-up sweep of 12 trials (12 with curves), SQLite store; 1 repetition(s)" in out
+    assert len([ln for ln in out.splitlines() if re.fullmatch(r"\s+1\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+", ln)]) == 1
