@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from raysweep.errors import SweepFailed, UserError
+from raysweep.errors import RayNotStarted, SweepFailed, UserError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"raysweep: error: {e}", file=sys.stderr)
         return 2
+    except RayNotStarted as e:
+        print(f"raysweep: failed: {e}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, SweepFailed) as e:  # SweepFailed: what ran the sweep failed (its broker lost)
         failed = isinstance(e, SweepFailed)
         print(f"raysweep: {f'failed: {e}' if failed else 'interrupted'} (resume with: python -m raysweep tune SPEC "

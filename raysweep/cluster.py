@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from raysweep.config import SweepConfig, TrialConfig
-from raysweep.errors import UserError
+from raysweep.errors import RayNotStarted, UserError
 from raysweep.worker.compile_cache import cache_env
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,20 @@ def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -
         except (ConnectionError, ValueError, AuthenticationError) as e:
             raise _join_error(address, e) from e
     else:
-        ray.init(**kwargs)
+        try:
+            ray.init(**kwargs)
+        except Exception as e:  # Ray raises a bare Exception for it (ray/_private/node.py)
+            if RAYLET_TIMEOUT not in str(e):
+                raise
+            raise RayNotStarted(
+                "the local Ray cluster did not start: its raylet did not register with its GCS within Ray's fixed "
+                "30 s (raylet_start_wait_time_s in ray/_private/node.py), as on a machine busy with other work; "
+                "nothing of the sweep started: run the command again, or start Ray once with `ray start --head "
+                f"--resources='{{\"{TRIAL_DRIVER}\": 8}}'` and the command joins it") from e
     return True
+
+
+RAYLET_TIMEOUT = "timed out during startup"  # Ray's words when a new node's raylet misses its registration wait
 
 
 def trial_driver_node() -> str:

@@ -1,11 +1,16 @@
 """The errors a user sees as a single line, never as a traceback: bad input (exit code 2), a sweep whose
-infrastructure failed (exit code 1)."""
+infrastructure failed or a local Ray that did not start (exit code 1)."""
 
 from __future__ import annotations
 
 
 class UserError(Exception):
     """Bad input: the message names the file, the key, the value and the fix, on one line."""
+
+
+class RayNotStarted(Exception):
+    """The local Ray cluster a command starts did not come up: one line, exit code 1; nothing of the sweep had
+    started (no run in the store, no trial)."""
 
 
 class SweepFailed(Exception):

@@ -62,10 +62,12 @@ NOT_QUICK_MODULES = ("test_benchmarks.py",)
 # With it moved: main 3395 s, side 2797 s; test_docs.py (222 s, no session cluster: its quickstart is a process with
 # a Ray of its own, its site build and browser none) went too. A later fresh-clone run: main 3864 s, side 3416 s;
 # test_batches.py (165 s) and test_noise.py (87 s), rank processes and no session cluster, moved to the side lane, with
-# test_report_reuse.py (30 s, no Ray), as test_confirm_fitted.py (110 s) joined the main lane.
+# test_report_reuse.py (30 s, no Ray), as test_confirm_fitted.py (110 s) joined the main lane; test_ray_start.py (40 s,
+# a driver process with a Ray of its own) went there too.
 SIDE_LANE_MARKERS = ("hosts", "py310")
 SIDE_LANE_MODULES = ("test_benchmarks.py", "test_driver_scale.py",  # each a subprocess of its own, its own Ray
-                     "test_gpu.py", "test_docs.py", "test_batches.py", "test_noise.py", "test_report_reuse.py")
+                     "test_gpu.py", "test_docs.py", "test_batches.py", "test_noise.py", "test_report_reuse.py",
+                     "test_ray_start.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py)
