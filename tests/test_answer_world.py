@@ -432,3 +432,13 @@ def test_the_fitted_recipe_becomes_the_answer_only_where_it_measured_better_on_t
         else:
             assert answer.recipe == r and answer.better is None
             assert "(9.7% worse): the best trial's recipe is kept" in answer.notes[-1]
+
+
+def test_a_batch_whose_own_trials_make_an_almost_flat_bowl_does_not_crash_the_answer():
+    """Found writing the tests/test_confirm_fitted.py world: in this 36-trial sweep the check's bowl through one
+    batch's own trials is almost flat, its bottom past any float (OverflowError: math range error, from answer_of:
+    the report, `answer` and `confirm` all crashed). Such a bottom lies outside the LRs tried: the best trial's LR."""
+    answer = _answer(world(n=36, seed=7))
+    assert answer is not None and answer.lr_fit.check is not None and answer.lr_fit.fitted
+    flat = dataclasses.replace(answer.lr_fit, coef=(-1.0, 1e-300, 0.0))  # the whole fit's bowl as flat: no crash
+    assert math.isfinite(flat.optimum(64)) and flat.optimum(64) > flat.lr_range[1]

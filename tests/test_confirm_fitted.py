@@ -57,6 +57,8 @@ def test_tune_confirm_trains_the_fitted_recipe_beside_the_best_trials_and_keeps_
     out = capsys.readouterr().out
     assert (f"the checked fit predicts a better recipe at global batch {best.global_batch}: peak LR "
             f"{fitted.peak_lr:.2e}; it runs next, on the same seeds") in out
+    # what the fitted recipe's confirmation is held against is said to be the best trial's value, not its own
+    assert f"predicted: {before.expected.source}: the best trial's, which the fitted recipe is predicted to beat" in out
 
     # two complete confirmations of the sweep on seeds 1 and 2, one per recipe, each seed trained as its recipe says
     record = load_sweep(uri, "w", parent)

@@ -188,8 +188,8 @@ def _own_best(data, batch: int, fallback: float) -> float:
     coef = _bowl(mine, (0.0, y0), slope=False)
     if coef is None:
         return fallback
-    bottom = math.exp(y0 - coef[0] / (2 * coef[1]))
-    return bottom if lrs.min() <= bottom <= lrs.max() else fallback
+    bottom = y0 - coef[0] / (2 * coef[1])  # in log LR: a bowl almost flat puts it past any float's range
+    return math.exp(bottom) if math.log(lrs.min()) <= bottom <= math.log(lrs.max()) else fallback
 
 
 def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:

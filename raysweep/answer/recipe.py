@@ -146,8 +146,11 @@ def fitted_answer(base: Answer) -> Answer:
                "its best LR lies within √2 of the answer's, or outside the LRs it saw")
         raise UserError(f"--fitted: the sweep predicts no better recipe at global batch {base.recipe.global_batch} "
                         f"than its best trial's ({why}); confirm the answer itself")
-    return dataclasses.replace(base, recipe=base.better, ran=False, predicted=True, trial_id=None, better=None,
-                               confirmed=None, confirm_command=f"{base.confirm_command} --fitted",
+    e = base.expected
+    expected = dataclasses.replace(e, source=f"{e.source}: the best trial's, which the fitted recipe is predicted to "
+                                             f"beat")
+    return dataclasses.replace(base, recipe=base.better, expected=expected, ran=False, predicted=True, trial_id=None,
+                               better=None, confirmed=None, confirm_command=f"{base.confirm_command} --fitted",
                                notes=(f"the checked fit's recipe at the answer's batch: to beat {base.expected.metric} "
                                       f"{base.expected.value:.4g}, the best trial's",))
 

@@ -157,7 +157,8 @@ class LrFit:
             return None
         c1, c2, c3 = self.coef
         x = math.log(min(batch, self.b_noise) if self.b_noise else batch) - self.center[0]
-        return math.exp(self.center[1] - (c1 + c3 * x) / (2 * c2))
+        # a bowl almost flat puts its bottom past any float's range: kept finite, it lies past every LR range
+        return math.exp(min(self.center[1] - (c1 + c3 * x) / (2 * c2), 700.0))
 
     def as_dict(self) -> dict:
         return {"exponent": self.exponent, "interval": list(self.interval) if self.interval else None,
