@@ -15,7 +15,7 @@ import math
 import pytest
 from test_answer_world import world, write_world
 
-SEED = 2  # the world whose checked fit puts the best LR at the answer's batch 0.66× the best trial's
+TRIALS, SEED = 24, 4  # a world whose checked fit puts the best LR at the answer's batch 0.3× the best trial's
 SPEC = """name: w
 storage_path: {tmp}/results
 data: {{width: 64, height: 24, synthetic: {{train_size: 384, val_size: 64, seed: 0}}}}
@@ -44,7 +44,7 @@ def test_tune_confirm_trains_the_fitted_recipe_beside_the_best_trials_and_keeps_
     path = tmp_path / "w.yaml"
     path.write_text(text)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    parent = write_world(world(seed=SEED, budget_s=4.0, spec=text), uri, str(tmp_path / "artifacts"))
+    parent = write_world(world(n=TRIALS, seed=SEED, budget_s=4.0, spec=text), uri, str(tmp_path / "artifacts"))
     config = load_config(path)
 
     # the premise, read back from the store: the answer is the best trial's, and the fit predicts another LR there
