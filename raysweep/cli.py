@@ -255,13 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"raysweep: error: {e}", file=sys.stderr)
         return 2
-    except RayNotStarted as e:
-        print(f"raysweep: failed: {e}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, SweepFailed) as e:  # SweepFailed: what ran the sweep failed (its broker lost)
-        failed = isinstance(e, SweepFailed)
-        print(f"raysweep: {f'failed: {e}' if failed else 'interrupted'} (resume with: python -m raysweep tune SPEC "
-              f"--resume)", file=sys.stderr)
+    except (KeyboardInterrupt, SweepFailed, RayNotStarted) as e:  # SweepFailed: what ran the sweep failed (its
+        # broker lost); RayNotStarted: the local Ray did not come up, before anything of the sweep (nothing to resume)
+        failed = not isinstance(e, KeyboardInterrupt)
+        resume = "" if isinstance(e, RayNotStarted) else " (resume with: python -m raysweep tune SPEC --resume)"
+        print(f"raysweep: {f'failed: {e}' if failed else 'interrupted'}{resume}", file=sys.stderr)
         return 1 if failed else 130
 
 
