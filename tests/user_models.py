@@ -27,14 +27,22 @@ def tiny(image, hidden: int = 8):
     return TinyNet(image, hidden)
 
 
-@torch.library.custom_op("raysweep_tests::twice", mutates_args=())
-def twice(x: torch.Tensor) -> torch.Tensor:
+def _twice(x: torch.Tensor) -> torch.Tensor:
     """A custom op with no fake (meta) implementation: eager runs it, torch.compile cannot trace it (Dynamo raises
     "There was no fake impl registered"), as with a user's own C++/CUDA op."""
     return x * 2
 
 
-twice.register_autograd(lambda ctx, grad: grad * 2)
+# Defined once per process. tests/test_models.py imports this file afresh, and a second torch.library.custom_op of the
+# same name replaces the first (get_library_allowing_overwrite in torch/_library/custom_ops.py): the registration the
+# earlier import's models and Dynamo's caches were made with is destroyed. Suspected, not shown, of what crashed the
+# test process now and then while Dynamo or eager called the op in test_slot_memory.py's compile-failed case (a
+# segfault, std::bad_alloc, "schema_.has_value() INTERNAL ASSERT FAILED"), only after test_models.py in one process.
+if hasattr(torch.ops.raysweep_tests, "twice"):
+    twice = torch.ops.raysweep_tests.twice
+else:
+    twice = torch.library.custom_op("raysweep_tests::twice", _twice, mutates_args=())
+    twice.register_autograd(lambda ctx, grad: grad * 2)
 
 
 class Uncompilable(TinyNet):
