@@ -249,6 +249,30 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     assert "supports the sqrt rule" in last and "confirm:  python -m raysweep confirm search_spaces/x.yaml" in last
 
 
+def test_where_the_batches_disagree_the_rules_tie_exactly_and_the_square_root_rule_is_kept():
+    """benchmarks/answer_check.py's sweeps (two runs, 16 trials each) ended with the check's two rules at exactly the
+    same mean error (0.5265 and 0.5211). Not chance: the best LRs were 4.19e-3 at batch 32, 1.65e-3 at 64, 3.13e-3
+    at 128 (these trials' own), so 32 says the LR falls with the batch and 64 → 128 says it rises faster than √B.
+    Predicting 32 and 64 from 128 and 128 from 64, the mean |ln error| at an exponent α is
+    (y + 2α·ln 2 + 2·|x − α·ln 2|) / 3, x = ln(lr128 / lr64), y = ln(lr32 / lr128): flat, (y + 2x) / 3, for every α
+    in [0, x / ln 2], so keeping the LR (α = 0) and the square-root rule (½) tie. The tie keeps the prior."""
+    best = {128: 3.135e-3, 64: 1.645e-3, 32: 4.188e-3}
+    rng = np.random.default_rng(0)
+    trials = []
+    for i, (batch, lr, value) in enumerate([(128, best[128], 0.1338), (64, best[64], 0.1531), (32, best[32], 0.1600),
+                                            (64, 3.13e-3, 0.1696), (32, 1.63e-3, 0.1841), (128, 6.37e-4, 0.2255)]):
+        t = _trial(i, batch // 2, lr / (batch / 64) ** 0.5, 1e-4, 6, 0.5, rng)
+        t.history["val_loss"] = {e: value + 0.01 * (6 - e) for e in range(1, 7)}
+        trials.append(t)
+    record = SweepRecord("sqlite:///mlflow.db", "t", "1", "parent", "t 2026-11-28", "val_loss", "min", SPEC, trials)
+    check = _answer(record).lr_fit.check
+    x, y = math.log(best[128] / best[64]), math.log(best[32] / best[128])
+    assert check.batches == (32, 64, 128)
+    flat = (y + 2 * x) / 3
+    assert check.errors["none"] == pytest.approx(flat) and check.errors["sqrt"] == pytest.approx(flat)
+    assert (check.used, check.exponent) == ("sqrt", 0.5)
+
+
 def test_answer_and_confirm_without_a_sweep_are_one_line_naming_the_spec(tmp_path, capsys):
     """No store yet, or a store without a `tune` of this spec's experiment: one line, exit 2, before Ray."""
     from raysweep.cli import main

@@ -23,6 +23,9 @@ leaving each batch out, bounded by the trials that diverged.
 - **The check** (`check`): each global batch left out in turn, its best trial's peak LR predicted from the others'
   best trial by the fit (refitted without it), by the square-root rule and by keeping the LR. Predictions scale the
   answer's LR by the fit's exponent only where the fit's mean error beats both rules'; otherwise by the better rule.
+  The rules can tie exactly, and a tie keeps the square-root rule: where the batches disagree (one's best LR falls
+  with the batch, two others' rises faster than √B), the mean |ln error| is flat in the exponent between the two
+  (tests/test_answer.py has the case benchmarks/answer_check.py met twice).
 """
 
 from __future__ import annotations
