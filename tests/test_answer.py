@@ -250,9 +250,10 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
 
 
 def test_where_the_batches_disagree_the_rules_tie_exactly_and_the_square_root_rule_is_kept():
-    """benchmarks/answer_check.py's sweeps (two runs, 16 trials each) ended with the check's two rules at exactly the
-    same mean error (0.5265 and 0.5211). Not chance: the best LRs were 4.19e-3 at batch 32, 1.65e-3 at 64, 3.13e-3
-    at 128 (these trials' own), so 32 says the LR falls with the batch and 64 → 128 says it rises faster than √B.
+    """Two of benchmarks/answer_check.py's 16-trial sweeps ended with the check's two rules at exactly the same mean
+    error (0.5264, and 0.5211 in one whose store was read back). Not chance: that store's best trials had 4.19e-3 at
+    batch 32, 1.65e-3 at 64, 3.13e-3 at 128 (these trials'), so 32 says the LR falls with the batch and 64 → 128 says
+    it rises faster than √B.
     Predicting 32 and 64 from 128 and 128 from 64, the mean |ln error| at an exponent α is
     (y + 2α·ln 2 + 2·|x − α·ln 2|) / 3, x = ln(lr128 / lr64), y = ln(lr32 / lr128): flat, (y + 2x) / 3, for every α
     in [0, x / ln 2], so keeping the LR (α = 0) and the square-root rule (½) tie. The tie keeps the prior."""
