@@ -355,17 +355,26 @@ def mlflow_ui(sweep):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mlflow = str(Path(sys.executable).with_name("mlflow"))
-    proc = subprocess.Popen([mlflow, "ui", "--backend-store-uri", sweep["uri"], "--host", "127.0.0.1", "--port",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log_path = sweep["tmp"] / "mlflow-ui.log"
+    # one worker process, as the fault tests' server (MLflow's default of 4 each import the server on start): in a
+    # fresh-clone run, beside the other lane on 2 cores, the UI had not answered after the 90 s this then waited
+    # (whether it had exited went unrecorded: its output went nowhere then)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([mlflow, "ui", "--backend-store-uri", sweep["uri"], "--host", "127.0.0.1", "--port",
+                                 str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
+        started, deadline = time.monotonic(), time.monotonic() + 180
         while True:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
             except OSError as e:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError("mlflow ui did not start") from e
+                code = proc.poll()
+                if time.monotonic() > deadline or code is not None:
+                    what = f"exited {code}" if code is not None else "did not answer"
+                    raise AssertionError(f"mlflow ui {what} in {time.monotonic() - started:.0f} s; its log:\n"
+                                         f"{log_path.read_text(errors='replace')[-3000:]}") from e
                 time.sleep(0.5)
         yield port
     finally:

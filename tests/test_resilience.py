@@ -135,14 +135,22 @@ def test_worker_killed_mid_trial_restarts_from_its_checkpoint_and_ends_as_its_un
             assert steps == [1, 2, 3, 4, 5], name  # each epoch once, none lost
     samples = {m.step: m.value for m in _client(tmp_path).get_metric_history(run.info.run_id, "samples_seen")}
     assert samples[5] == 5 * 1536  # the restart resumed the count from the checkpoint, not from zero
-    # the clock: epoch 3 was trained twice (its first run's seconds are in no checkpoint), so epoch 4's training
-    # seconds go on from epoch 3's reported ones and count the re-run once: about two epochs' worth, never less
-    # than epoch 3's (before, it went on from epoch 2's and the lost run vanished)
+    # the clock: epoch 3 was trained twice (its first run's seconds are in no checkpoint), so the re-run's clock goes
+    # on from the first run's reported one, and epoch 4's counts the re-run once (before, it went on from epoch 2's
+    # and the lost run vanished: the re-run's clock came out about where the first run's had). The re-run is read
+    # where the driver printed it (MLflow keeps one value an epoch, the first) and held against epoch 4, its
+    # neighbour on the same group: a fresh-clone run failed an earlier form that held epoch 4's step against epochs
+    # 2 and 3, trained before the kill while the other lane was busier (4.5-4.8 s against 3.1-3.8 s after it)
     clock = {m.step: m.value for m in _client(tmp_path).get_metric_history(run.info.run_id, "train_seconds")}
     step = {e: clock[e] - clock[e - 1] for e in (2, 3, 4, 5)}
     assert min(step.values()) > 0, clock
-    assert step[4] > 1.5 * float(np.median([step[2], step[3], step[5]])), clock
-    assert "epoch 3/5" in capsys.readouterr().out
+    printed = [(int(e), float(s)) for e, s in re.findall(r"^epoch (\d)/5 .* ([\d.]+) s trained$",
+                                                         capsys.readouterr().out, re.M)]
+    thirds = [s for e, s in printed if e == 3]
+    assert len(thirds) == 2, printed  # epoch 3 twice: before the kill, and again after it
+    first, rerun = thirds
+    assert first == pytest.approx(clock[3], abs=0.06), (printed, clock)  # printed to 0.1 s
+    assert rerun - first > 0.5 * (clock[4] - rerun), (printed, clock)  # the re-run's own seconds, added
 
     twin_dir = tmp_path / "twin"
     twin_dir.mkdir()
