@@ -5,6 +5,7 @@ confirmation on the same task.
     python benchmarks/answer_check.py            # CPU: 64×24 captchas, 4 batches, 20 s a run, ~30 min on 2 cores
     python benchmarks/answer_check.py --gpu      # one GPU: 50,000 at 160×60, bf16
     python benchmarks/answer_check.py --quick    # the code path in about two minutes (CI): the sweep fits its LR
+    python benchmarks/answer_check.py --trials 32 --keep /tmp/ac   # a larger sweep; its store kept to read back
 
 The grid runs in this process with raysweep's own rank code (worker.run.TrainingRun: the model, the step, the
 schedule, evaluation), one rank, the threads a worker of the spec gets, every cell of a batch for the same epochs:
@@ -29,6 +30,7 @@ confirmation as any user gets them. Reported, as RESULT lines, with the goal eac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -187,18 +189,25 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the code path only: 3 batches, 10 trials of 2 s, a fit")
     parser.add_argument("--gpu", action="store_true", help="one GPU: 50,000 images at 160×60, bf16")
     parser.add_argument("--seconds", type=float, default=None, help="training seconds per run (default: the mode's)")
+    parser.add_argument("--trials", type=int, default=None, help="the sweep's trials (default: the mode's)")
+    parser.add_argument("--keep", default=None, help="work in this new folder and keep it (the store)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here too")
     args = parser.parse_args()
     mode = dict(MODES["quick" if args.quick else "gpu" if args.gpu else "cpu"])
     if args.seconds:
         mode["seconds"] = args.seconds
+    if args.trials:
+        mode["trials"] = args.trials
     import yaml
 
     from raysweep.config import load_config
 
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="answer-check-") as tmp:
-        work = Path(tmp)
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=False)  # a fresh folder: never a store of an earlier run
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="answer-check-")
+          ) as tmp:
+        work = Path(tmp).resolve()
         spec_path = work / "spec.yaml"
         spec_path.write_text(yaml.safe_dump(task_spec(mode, work), sort_keys=False))
         config = load_config(spec_path)
@@ -231,7 +240,7 @@ def main() -> int:
             found = re.search(r"; mean (\S+) against (\S+) expected", run.stdout)
             left_confirmed = (float(found.group(1)), float(found.group(2))) if found else None
     figures = report(mode, truth, trainer, answer, predicted.stdout, left_confirmed)
-    figures.update(grid_s=grid_s, total_s=time.monotonic() - started,
+    figures.update(grid_s=grid_s, total_s=time.monotonic() - started, trials=mode["trials"],
                    mode="quick" if args.quick else "gpu" if args.gpu else "cpu")
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
