@@ -28,6 +28,34 @@ def _actors(class_name):
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_at_a_sweeps_end_a_live_broker_answers_at_once_and_a_killed_one_says_why(ray_cluster):
+    """Every sweep's end asks whether its broker died unseen (`broker_lost(wait_s=…)`). It waited on the broker's
+    watch call alone, which returns only when the broker closes or dies, so a live broker cost the whole wait (1 s at
+    every sweep's end). The real Broker as a Ray actor, then killed."""
+    import ray
+
+    from raysweep.slots import Broker, lifecycle
+
+    async def launch_nothing(slot_id: int, trial: dict) -> None:  # no trial reaches a slot here (pickled by value)
+        pass
+
+    broker = ray.remote(num_cpus=0)(Broker).remote(1, launch_nothing)
+    path = "/sweeps/the-end-check"
+    lifecycle._ACTIVE[path], lifecycle._WATCH[path] = broker, [broker.watch.remote(), 0.0]
+    try:
+        asked = time.monotonic()
+        assert lifecycle.broker_lost(path, wait_s=40.0) is None
+        assert time.monotonic() - asked < 20, "a live broker's answer waited for the whole wait"  # before: all 40 s
+        ray.kill(broker)
+        lost = lifecycle.broker_lost(path, wait_s=40.0)
+        assert lost and "ActorDied" in lost, lost
+    finally:
+        lifecycle._ACTIVE.pop(path, None), lifecycle._WATCH.pop(path, None)
+        ray.kill(broker)
+
+
+@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_set_up_that_fails_every_time_ends_the_sweep_in_bounded_time_with_the_cause(ray_cluster, tmp_path,
                                                                                      monkeypatch, capsys):

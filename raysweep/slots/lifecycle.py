@@ -41,14 +41,23 @@ def open_broker(experiment_path: str, capacity: int, plan: SlotPlan, broker_clas
 
 def broker_lost(experiment_path: str, wait_s: float | None = None) -> str | None:
     """Why the sweep's broker is gone (its actor died: the OOM killer, its node), else None. Checked at most every
-    WATCH_EVERY_S, without waiting (the broker's `watch` call fails as soon as the actor dies); with `wait_s`, now,
-    waiting that long for Ray to say."""
+    WATCH_EVERY_S, without waiting (the broker's `watch` call fails as soon as the actor dies); with `wait_s`, now:
+    a broker that answers is alive (at once: the watch alone waited all of `wait_s` for a live one), and one that
+    does not is given up to `wait_s` for Ray to say why."""
     import ray
 
     watch = _WATCH.get(experiment_path)
     if watch is None or (wait_s is None and time.monotonic() - watch[1] < WATCH_EVERY_S):
         return None
     watch[1] = time.monotonic()
+    if wait_s:
+        asked = _ACTIVE[experiment_path].state.remote()
+        if ray.wait([asked, watch[0]], num_returns=1, timeout=wait_s)[0] == [asked]:
+            try:
+                ray.get(asked)
+                return None  # it answered
+            except Exception as e:  # it died after all: its watch says why
+                log.debug("the broker did not answer: %s", e)
     ready, _ = ray.wait([watch[0]], timeout=wait_s or 0)
     if not ready:
         return None
