@@ -297,3 +297,21 @@ def test_answer_and_confirm_without_a_sweep_are_one_line_naming_the_spec(tmp_pat
     assert main(["confirm", str(path), "--seeds", "1,x"]) == 2
     assert "--seeds '1,x': expected whole numbers" in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_fit_whose_leave_one_out_refits_find_no_minimum_says_it_was_not_checked():
+    """Found by benchmarks/answer_check.py (32 trials): the sweep's fit had a minimum (B^1.15), but without one batch
+    the others' refit had none, so the check compared the two rules alone and the answer's lines named only them: a
+    user saw a fitted exponent and predictions by the square-root rule, and nothing said why. Here batches 32 and 128,
+    and the baseline's one trial at 64: leaving 32 or 128 out leaves too little to place a slope."""
+    from raysweep.answer.console import used_words
+
+    fit = _answer(_sweep(exponent=0.5, n=40, batches=(16, 64))).lr_fit
+    assert fit.fitted and fit.batches == (32, 64, 128), fit.reason
+    assert fit.check.used in ("sqrt", "none") and "fit" not in fit.check.errors
+    assert fit.check.unfitted == (32, 128) and fit.check.as_dict()["fit_unchecked_without"] == [32, 128]
+    assert used_words(fit).endswith(f"; the fit's own B^{fit.exponent:.2f} not checked: without batch 32 or 128 the "
+                                    "others' fit has no minimum)"), used_words(fit)
+    # a fit that was checked names no batch
+    checked = _answer(_sweep(exponent=0.5, n=40)).lr_fit
+    assert "fit" in checked.check.errors and checked.check.unfitted == () and "not checked" not in used_words(checked)

@@ -135,8 +135,10 @@ def used_words(fit) -> str:
     errors = ", ".join(f"{k} {v:.2f}" for k, v in check.errors.items())
     what = {"fit": f"the fit's B^{check.exponent:.2f}", "sqrt": "the square-root rule",
             "none": "keeping the answer's LR"}[check.used]
+    unchecked = (f"; the fit's own B^{fit.exponent:.2f} not checked: without batch "
+                 f"{' or '.join(map(str, check.unfitted))} the others' fit has no minimum" if check.unfitted else "")
     return (f"a predicted batch scales the answer's LR by {what}: the best at predicting each of batches "
-            f"{', '.join(map(str, check.batches))} from the others (mean |ln error| {errors})")
+            f"{', '.join(map(str, check.batches))} from the others (mean |ln error| {errors}{unchecked})")
 
 
 def confirmation_line(c) -> str:

@@ -201,6 +201,7 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:
 
     best = _best_by_batch(ranked)
     errors: dict[str, list[float]] = {"fit": [], "sqrt": [], "none": []}
+    unfitted: list[int] = []  # left out, the others' refit had no minimum
     for batch, truth in best.items():
         anchor = next((t for t in ranked if t.number(M.global_batch_size) and t.number(M.peak_lr)
                        and int(t.number(M.global_batch_size)) != batch), None)
@@ -210,6 +211,8 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:
         measured = _own_best(data, batch, truth.number(M.peak_lr)) if len(data) else truth.number(M.peak_lr)
         rest = data[data[:, 1] != batch]
         alpha = _exponent(rest, center) if fit.fitted and len(rest) else None
+        if fit.fitted and alpha is None:
+            unfitted.append(batch)
         guesses = {"sqrt": RULES["sqrt"], "none": RULES["none"], **({"fit": alpha} if alpha is not None else {})}
         for name, exponent in guesses.items():
             errors[name].append(abs(math.log(scaled(a_lr, a_batch, batch, exponent, fit.b_noise) / measured)))
@@ -219,7 +222,8 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:
     if means:
         rule = "sqrt" if means["sqrt"] <= means["none"] else "none"
         used = "fit" if "fit" in means and means["fit"] < means[rule] else rule
-        check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[rule])
+        check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[rule],
+                         tuple(sorted(unfitted)) if "fit" not in means else ())
     return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked))
 
 

@@ -114,10 +114,13 @@ class FitCheck:
     batches: tuple[int, ...]  # the left-out batches
     used: str  # the predictor the predictions use: `fit` only where it beat both rules, else the better rule
     exponent: float  # the exponent `used` scales the answer's LR with
+    # the left-out batches without which the fit, refitted on the others, had no minimum: the fit is then not checked
+    # (no `fit` in errors), though the whole sweep's fit has one
+    unfitted: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         return {"errors": {k: round(v, 4) for k, v in self.errors.items()}, "left_out": list(self.batches),
-                "used": self.used, "exponent": self.exponent}
+                "used": self.used, "exponent": self.exponent, "fit_unchecked_without": list(self.unfitted)}
 
 
 @dataclass(frozen=True)
