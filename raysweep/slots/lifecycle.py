@@ -43,7 +43,7 @@ def broker_lost(experiment_path: str, wait_s: float | None = None) -> str | None
     """Why the sweep's broker is gone (its actor died: the OOM killer, its node), else None. Checked at most every
     WATCH_EVERY_S, without waiting (the broker's `watch` call fails as soon as the actor dies); with `wait_s`, now:
     a broker that answers is alive (at once: the watch alone waited all of `wait_s` for a live one), and one that
-    does not is given up to `wait_s` for Ray to say why."""
+    fails or does not answer within `wait_s` is given up to `wait_s` more for its watch to say why."""
     import ray
 
     watch = _WATCH.get(experiment_path)
