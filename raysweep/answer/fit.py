@@ -223,7 +223,7 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:
         rule = "sqrt" if means["sqrt"] <= means["none"] else "none"
         used = "fit" if "fit" in means and means["fit"] < means[rule] else rule
         check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[rule],
-                         tuple(sorted(unfitted)) if "fit" not in means else ())
+                         tuple(sorted(unfitted)))  # any of them keeps `fit` out of the means
     return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked))
 
 
