@@ -10,10 +10,10 @@ configuration as a mirror would be; that configuration also skips byte-compiling
 In order: every listed machine joins (autoscaler v1, cluster.yaml); a client without the token is refused; a sweep
 with the spec's local storage_path is refused; the README's `tune` through `ray exec` on a folder every host sees,
 with a network only the head has, runs its trials across the machines; `ray attach -p 5000` forwards the MLflow
-UI; a worker machine lost mid-sweep costs its trial a restart from its checkpoint elsewhere, not the trial; on an
-S3 bucket (a real S3 API on the
-launcher's side of the hosts' network) the driver is killed mid-sweep and `tune --resume` on the head continues every
-trial from its checkpoint, naming the lost machine without waiting for it; `ray down` leaves no Ray process anywhere.
+UI; on an S3 bucket (a real S3 API on the launcher's side of the hosts' network), one sweep meets two faults: a
+worker machine lost mid-sweep costs its trial a restart from its checkpoint elsewhere, not the trial, then the
+driver is killed and `tune --resume` on the head continues every trial from its checkpoint, naming the lost machine
+without waiting for it; `ray down` leaves no Ray process anywhere.
 Every step has a deadline, and the hosts are removed whatever happens (the module's fixture).
 
 `-m "not hosts"` skips it (10 minutes here, most of it Ray starting on 2 shared cores and `ray down`'s wait for
@@ -283,50 +283,6 @@ def test_ray_attach_forwards_the_mlflow_ui(up):
         up.exec("pkill -f '[m]lflow ui' || true", timeout=60)  # on the head only: its own PID namespace
 
 
-@pytest.mark.timeout(900)
-def test_a_machine_lost_mid_sweep_costs_a_restart_not_the_trial(up, tmp_path):
-    log = tmp_path / "sweep.log"
-    command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
-               f"--set train.epochs=6 --set tune.asha.grace_period=6 --set name=lost-machine "
-               f"--set storage_path={SHARED_RESULTS}")
-    sweep = up.popen_exec(command, log)
-    workers = {h.ip: h for h in up.hosts.hosts[1:]}
-    try:
-        deadline, lost = time.monotonic() + 400, None
-        trials = up.shared / "results" / "lost-machine" / "train"
-        while lost is None:  # a trial training on a worker machine, past its first epoch (a checkpoint to go back to)
-            text = log.read_text()
-            assert sweep.poll() is None, text[-4000:]
-            assert time.monotonic() < deadline, text[-4000:]
-            placed = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", text, re.M))
-            for trial, ip in placed.items():
-                if ip in workers and any(trials.glob(f"trial-{trial}/checkpoint_*")):
-                    lost = (trial, workers[ip])
-            time.sleep(0.5)
-        trial, host = lost
-        print(f"powering off {host.name} ({host.ip}) while {trial} trains there")
-        host.power_off()
-        up.lost = host.ip
-        sweep.wait(timeout=780)
-        out = log.read_text()
-        print(out[-6000:])
-        assert sweep.returncode == 0, out[-4000:]
-        assert re.search(r"sweep: 3 trials in \d+s: \d finished, \d pruned by ASHA, 0 failed", out), out[-3000:]
-        # Tune's result log of the lost trial (on the shared folder): a new worker group took over, off the lost
-        # machine, from a checkpoint (its first report replays the checkpoint's own, with the old group's nodes)
-        log_file = next(up.shared.glob(f"results/lost-machine/*{trial}*/result.json"))
-        reports = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
-        groups, epochs = [r["nodes"] for r in reports], [int(r["epoch"]) for r in reports]
-        print(f"{trial}'s reports (epoch, first 8 characters of each rank's node id):",
-              [(e, [n[:8] for n in g.split(",")]) for e, g in zip(epochs, groups, strict=True)])
-        taken_over = groups.index(groups[-1])
-        assert 0 < taken_over and epochs[taken_over] > 1 and epochs[-1] == 6, list(zip(epochs, groups, strict=True))
-    finally:
-        if sweep.poll() is None:
-            sweep.kill()
-            sweep.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def s3(cluster):
     """A real S3 API (conftest.s3_api) on the launcher's side of the hosts' network, the bridge's own address; yields
@@ -345,12 +301,20 @@ def _keys(client, prefix: str) -> list[str]:
         token = {"ContinuationToken": page["NextContinuationToken"]}
 
 
-@pytest.mark.timeout(900)
-def test_on_s3_the_driver_killed_and_resumed_on_the_head_continues_every_trial_from_its_checkpoint(up, s3, tmp_path):
+PLACED = re.compile(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", re.M)  # a trial's group: on which machine
+
+
+@pytest.mark.timeout(1560)
+def test_on_s3_a_machine_lost_then_the_driver_killed_cost_restarts_from_checkpoints_never_a_trial(up, s3, tmp_path):
+    """One sweep on an S3 bucket, two faults. A worker machine powered off while a trial trains there, past its first
+    checkpoint: a new worker group takes the trial over elsewhere from that checkpoint (once a machine is free: 3
+    trials, 2 machines left). Then, once that trial trained on, the driver SIGKILLed on the head, and the same command
+    with `--resume` there: it names the lost machine at once (never waits for it), and every unfinished trial reports
+    from its checkpoint on, never from epoch 1, to the end."""
     uri, client = s3
-    # 2 trials of 6 epochs, never pruned (grace = max_t), one per machine left (the previous test took one away)
+    epochs = 6  # 3 trials never pruned (grace = max_t): one on each machine at once (2 CPUs a machine)
     command = (f"cd ~/raysweep && python -m raysweep tune search_spaces/quickstart.yaml --address auto {SMALL} "
-               f"--set tune.num_samples=2 --set train.epochs=6 --set tune.asha.grace_period=6 --set name=s3-resume "
+               f"--set train.epochs={epochs} --set tune.asha.grace_period={epochs} --set name=s3-resume "
                f"--set 'storage_path={uri}'")
 
     def checkpoints() -> dict[str, int]:
@@ -360,33 +324,35 @@ def test_on_s3_the_driver_killed_and_resumed_on_the_head_continues_every_trial_f
                 at[found[1]] = max(at.get(found[1], 0), int(found[2]))
         return at
 
-    def result_log(trial: str) -> str:
+    def reports(trial: str) -> list[dict]:  # Tune's result log of the trial, in the bucket
         (key,) = [k for k in _keys(client, "runs/s3-resume/") if re.search(rf"_{trial}_[^/]*/result\.json$", k)]
-        return client.get_object(Bucket="sweeps", Key=key)["Body"].read().decode()
+        text = client.get_object(Bucket="sweeps", Key=key)["Body"].read().decode()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
-    _, resumed = _killed_and_resumed(up, command, 2, 6, checkpoints, result_log, tmp_path)
-    if up.lost:  # a machine Ray saw die is named at once, not waited for
-        assert f"{up.lost} joined and was lost" in resumed and "waiting up to" not in resumed, resumed[-4000:]
-
-
-def _killed_and_resumed(up, command: str, trials: int, epochs: int, checkpoints, result_log,
-                        tmp_path: Path) -> tuple[str, str]:
-    """`command` (a sweep of `trials` trials of `epochs` epochs, none pruned) run on the head through `ray exec`; its
-    driver SIGKILLed there once every trial has a checkpoint at epoch 2 or later (`checkpoints()`: {trial: newest
-    epoch} in the sweep's storage); then the same command with `--resume` on the head, which must end every trial,
-    each reporting from its checkpoint on (`result_log(trial)`: Tune's result.json of it, in the storage), never
-    from epoch 1, wherever it ran. Returns both drivers' output."""
-    log = tmp_path / f"killed-{time.monotonic_ns()}.log"
+    log = tmp_path / "killed.log"
     sweep = up.popen_exec(command, log)
+    workers = {h.ip: h for h in up.hosts.hosts[1:]}
     try:
-        # the driver's `bash -c` and its python, killed in the head's own PID namespace: nothing elsewhere is touched
-        deadline, at = time.monotonic() + 480, {}
-        while len(at) < trials or min(at.values()) < 2:
+        deadline, lost = time.monotonic() + 480, None
+        while lost is None:  # a trial training on a worker machine, past its first epoch (a checkpoint to go back to)
+            text = log.read_text()
+            assert sweep.poll() is None and time.monotonic() < deadline, text[-4000:]
+            at = checkpoints()
+            lost = next(((trial, workers[ip], at[trial]) for trial, ip in PLACED.findall(text)
+                         if ip in workers and trial in at), None)
+            time.sleep(0.5)
+        trial, host, lost_at = lost
+        print(f"powering off {host.name} ({host.ip}) while {trial} trains there (checkpoint at epoch {lost_at})")
+        host.power_off()
+        up.lost = host.ip
+        # the driver killed once every trial has a checkpoint at epoch 2 or later and the lost trial trained on
+        while len(at) < 3 or min(at.values()) < 2 or at[trial] <= lost_at:
             assert sweep.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, (at, log.read_text()[-4000:])
+            assert time.monotonic() < deadline + 360, (at, log.read_text()[-4000:])
             time.sleep(0.5)
             at = checkpoints()
         print(f"checkpoints when the driver is killed (trial: epoch): {at}")
+        # the driver's `bash -c` and its python, killed in the head's own PID namespace: nothing elsewhere is touched
         up.hosts.ssh(up.hosts.hosts[0], "pkill -KILL -f '[r]aysweep tune'", timeout=30)
         sweep.wait(timeout=60)
     finally:
@@ -394,8 +360,16 @@ def _killed_and_resumed(up, command: str, trials: int, epochs: int, checkpoints,
             sweep.kill()
             sweep.wait(timeout=30)
     first = log.read_text()
-    assert f"sweep: {trials} trials" not in first, first[-4000:]  # it was killed mid-sweep
-    placed = dict(re.findall(r"\] up +(\S+): started in .* on (\S+?)(?:×\d)?$", first, re.M))
+    assert "sweep: 3 trials" not in first, first[-4000:]  # it was killed mid-sweep
+    placed = dict(PLACED.findall(first))
+    # the lost trial's reports so far: a new worker group took over, off the lost machine, from a checkpoint (its
+    # first report replays the checkpoint's own, with the old group's nodes; its next ones carry the new group's)
+    before = reports(trial)
+    groups, trained = [r["nodes"] for r in before], [int(r["epoch"]) for r in before]
+    print(f"{trial}'s reports before the kill (epoch, first 8 characters of each rank's node id):",
+          [(e, [n[:8] for n in g.split(",")]) for e, g in zip(trained, groups, strict=True)])
+    taken_over = next((i for i, g in enumerate(groups) if g != groups[0]), None)
+    assert taken_over is not None and trained[taken_over] > 1, list(zip(trained, groups, strict=True))
 
     resumed_at = int(time.time())
     done = up.exec(f"{command} --resume", timeout=600)
@@ -403,18 +377,16 @@ def _killed_and_resumed(up, command: str, trials: int, epochs: int, checkpoints,
     assert done.returncode == 0, out[-5000:]
     print("the resumed driver's first lines:\n" + "\n".join(
         line for line in out.splitlines() if line.startswith(("cluster:", "resumed:", "plan:"))))
+    assert f"{up.lost} joined and was lost" in out and "waiting up to" not in out, out[-4000:]  # named, not waited for
     match = re.search(r"resumed: (\d+) done, (\d+) running(?: from epoch ([\d, ]+))?, (\d+) pending", out)
-    assert match and int(match[2]) >= 1 and int(match[1]) + int(match[2]) == trials, out[-4000:]
-    assert re.search(rf"sweep: {trials} trials in \d+s: {trials} finished, 0 pruned by ASHA, 0 failed", out), \
-        out[-3000:]
-    for trial, epoch in at.items():
-        reports = [json.loads(line) for line in result_log(trial).splitlines() if line.strip()]
-        after = [int(r["epoch"]) for r in reports if r["timestamp"] >= resumed_at and "epoch" in r]
-        print(f"{trial} (on {placed.get(trial, '?')} before the kill, checkpoint at epoch {epoch}): epochs reported "
+    assert match and int(match[2]) >= 1 and int(match[1]) + int(match[2]) == 3, out[-4000:]
+    assert re.search(r"sweep: 3 trials in \d+s: 3 finished, 0 pruned by ASHA, 0 failed", out), out[-3000:]
+    for name, epoch in at.items():
+        after = [int(r["epoch"]) for r in reports(name) if r["timestamp"] >= resumed_at and "epoch" in r]
+        print(f"{name} (on {placed.get(name, '?')} before the kill, checkpoint at epoch {epoch}): epochs reported "
               f"after the resume {after}")
         if epoch < epochs:
-            assert after and min(after) >= 2 and after[-1] == epochs, (trial, epoch, after)
-    return first, out
+            assert after and min(after) >= 2 and after[-1] == epochs, (name, epoch, after)
 
 
 @pytest.mark.timeout(420)
