@@ -36,6 +36,7 @@ import socket  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import cpu_account  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
@@ -77,6 +78,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
         side = item.path.name in SIDE_LANE_MODULES or any(item.get_closest_marker(m) for m in SIDE_LANE_MARKERS)
         item.add_marker(pytest.mark.xdist_group("side" if side else "main"))
+
+
+def pytest_configure(config):
+    config._cpu_account = cpu_account.start(config)  # RAYSWEEP_CPU_ACCOUNT=DIR: CPU seconds per test
+
+
+def pytest_unconfigure(config):
+    cpu_account.stop(getattr(config, "_cpu_account", None))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield from cpu_account.measured(item.config._cpu_account, item.nodeid)
 
 
 @pytest.hookimpl(hookwrapper=True)
