@@ -127,6 +127,14 @@ def test_gpu_suite_without_a_gpu_says_how_to_smoke_test(tmp_path):
     assert _suite(tmp_path, "--bogus").returncode == 2
 
 
+@pytest.mark.ray
+def test_log_monitor_quick_measures_both_settings_in_clusters_of_their_own():
+    out = _run("log_monitor.py")
+    rows = {ln[:34].strip(): ln[34:].split() for ln in out.splitlines() if ln.startswith(("Ray's", "raysweep's"))}
+    assert list(rows) == ["Ray's defaults", "raysweep's (LOG_MONITOR_ENV)"], out
+    assert all(int(files) >= 4 and float(share) >= 0 for files, share in rows.values()), rows  # 4 actors' files
+
+
 def test_shard_cost_quick():
     out = _run("shard_cost.py")
     rows = [ln for ln in out.splitlines() if ln.startswith(("contiguous part (before)", "whole set, dealt (now)"))]

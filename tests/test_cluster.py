@@ -302,3 +302,19 @@ def test_listed_machines_are_matched_by_address_not_by_text(ray_cluster, tmp_pat
     assert time.monotonic() - started < 15
     assert len(said) == 1 and said[0].startswith(f"{bootstrap} lists head 192.0.2.77, which is not this cluster's "
                                                  f"head"), said
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_the_log_monitor_of_a_local_cluster_raysweep_starts_runs_with_its_settings(ray_cluster):
+    """ray_init_kwargs puts cluster.LOG_MONITOR_ENV where ray.init's daemons read it: the session cluster here is
+    started with it, as `tune` starts a local one; its log monitor's own environment holds every setting."""
+    import psutil
+
+    from raysweep.cluster import LOG_MONITOR_ENV
+
+    monitors = [p for p in psutil.Process().children(recursive=True)
+                if any("log_monitor.py" in part for part in p.cmdline())]
+    assert len(monitors) == 1, [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    environ = monitors[0].environ()
+    assert {k: environ.get(k) for k in LOG_MONITOR_ENV} == LOG_MONITOR_ENV
