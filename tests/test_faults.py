@@ -108,6 +108,7 @@ def test_a_sweep_that_finds_the_cluster_busy_waits_saying_for_what_then_runs(ray
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(480)
 def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_twin(ray_cluster, tmp_path):
     # two identical trials, one at a time: the first loses its slot host (SIGKILL, as the OOM killer would) after
@@ -145,6 +146,7 @@ def test_a_slot_host_killed_mid_trial_is_retried_and_ends_as_its_uninterrupted_t
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(480)
 def test_a_broker_that_stops_answering_for_a_while_costs_the_trial_nothing(ray_cluster, tmp_path):
     """The broker's process SIGSTOPped for 45 s mid-trial, then let go: alive, silent longer than one poll's 35 s.
@@ -225,6 +227,7 @@ def _run(tmp_path, trial_id):
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_the_broker_killed_ends_the_sweep_with_the_cause_and_resume_finishes_it_but_never_a_pruned_trial(
         ray_cluster, tmp_path, capsys, monkeypatch):
@@ -544,6 +547,7 @@ def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_ml
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_a_tracking_server_killed_and_back_a_minute_later_costs_the_sweep_nothing(ray_cluster, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
@@ -620,6 +624,7 @@ def test_a_tracking_server_killed_and_back_a_minute_later_costs_the_sweep_nothin
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_a_tracking_server_that_hangs_mid_sweep_ends_it_within_retry_s_and_a_minute(tmp_path):
     """The server SIGSTOPped once the trial's first epoch is in the store (MLflow's own HTTP timeouts and retries
@@ -696,6 +701,7 @@ def _sweep_seconds(log: str) -> float:
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_two_sweeps_started_together_on_one_cluster_both_finish_every_trial(ray_cluster, tmp_path):
     import subprocess

@@ -41,7 +41,7 @@ from wheel_index import Index, wheelhouse
 
 from conftest import AWS_TEST_ENV, ROOT, s3_api
 
-pytestmark = pytest.mark.hosts
+pytestmark = [pytest.mark.hosts, pytest.mark.long]
 
 BIN = Path(sys.executable).parent
 PLACEHOLDERS = {"provider": ("head_ip", "worker_ips"), "auth": ("ssh_user", "ssh_private_key"), "setup_commands": ()}

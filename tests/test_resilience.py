@@ -447,6 +447,7 @@ def _running_trial_at_epoch(tmp_path, epoch):
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, tmp_path):
     spec = tiny_spec(
