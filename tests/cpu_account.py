@@ -1,4 +1,4 @@
-"""CPU seconds per test, for deciding what the suite's time buys (CONTRIBUTING.md, "Where the suite's time goes").
+"""CPU seconds per test, for deciding what the suite's time buys (CONTRIBUTING.md, "Tests").
 
 `RAYSWEEP_CPU_ACCOUNT=DIR python -m pytest ...` puts each pytest process (each xdist lane) in a cgroup of its own
 (cgroup v1 cpuacct, as root): every process a test starts inherits it (its Ray daemons and workers, drivers, the
