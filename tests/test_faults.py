@@ -654,27 +654,28 @@ def test_a_tracking_server_that_hangs_mid_sweep_ends_it_within_retry_s_and_a_min
                                          if "mlflow.parentRunId" in r.data.tags]
         return any(reader.get_metric_history(r.info.run_id, "val_loss") for r in runs)
 
-    driver = _start_driver(spec, tmp_path / "driver.log")
-    try:
-        _wait_for(first_epoch_stored, 240, "the trial's first epoch in the store")
-        os.killpg(server.pid, signal.SIGSTOP)
-        hung = time.monotonic()
+    try:  # the server is killed whatever fails (a failed bound above left it running)
+        driver = _start_driver(spec, tmp_path / "driver.log")
         try:
-            code = driver.wait(timeout=retry_s + 60 + 30)
-        except subprocess.TimeoutExpired:
-            code = None
-        took = time.monotonic() - hung
-        out = (tmp_path / "driver.log").read_text()
-        assert code == 1, f"the driver {'exited ' + str(code) if code is not None else 'still runs'} {took:.0f} s " \
-                          f"after the store hung:\n{out[-3000:]}"
-        assert took < retry_s + 60, took
-        last = out.strip().splitlines()[-1]
-        assert last.startswith("raysweep: failed: the MLflow store at http://127.0.0.1:") and "retry_s" in last, last
-    finally:
-        if driver.poll() is None:
-            _kill_tree(driver, signal.SIGKILL)
-        os.killpg(server.pid, signal.SIGCONT)
-    try:
+            _wait_for(first_epoch_stored, 240, "the trial's first epoch in the store")
+            os.killpg(server.pid, signal.SIGSTOP)
+            hung = time.monotonic()
+            try:
+                code = driver.wait(timeout=retry_s + 60 + 30)
+            except subprocess.TimeoutExpired:
+                code = None
+            took = time.monotonic() - hung
+            out = (tmp_path / "driver.log").read_text()
+            state = f"exited {code}" if code is not None else "still runs"
+            assert code == 1, f"the driver {state} {took:.0f} s after the store hung:\n{out[-3000:]}"
+            assert took < retry_s + 60, took
+            last = out.strip().splitlines()[-1]
+            assert last.startswith("raysweep: failed: the MLflow store at http://127.0.0.1:"), last
+            assert "retry_s" in last, last
+        finally:
+            if driver.poll() is None:
+                _kill_tree(driver, signal.SIGKILL)
+            os.killpg(server.pid, signal.SIGCONT)
         assert main(["report", str(spec)]) == 0  # the store answers again: it ends what the driver could not
         runs = reader.search_runs([reader.get_experiment_by_name("t").experiment_id])
         assert runs and all(r.info.status != "RUNNING" for r in runs), [(r.info.run_name, r.info.status) for r in runs]
