@@ -107,7 +107,7 @@ def measure_raysweep(folder: str, batch: int, steps: int, height: int, width: in
 
 def run_child(args: list[str]) -> float:
     """One measurement in a fresh interpreter; returns images/s."""
-    from raysweep.cluster import worker_env
+    from raysweep.trainer import worker_env
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     if args[0].startswith("raysweep"):

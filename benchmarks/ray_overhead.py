@@ -158,7 +158,7 @@ def in_ray(config, data_ref, train_size: int, name: str, log: Path,
     window is the reports' span)."""
     import ray.train
 
-    from raysweep.cluster import make_trainer
+    from raysweep.trainer import make_trainer
 
     class Stamp(ray.train.UserCallback):
         def after_report(self, run_context, metrics, checkpoint):
@@ -277,7 +277,7 @@ def cpu_line(shares: list) -> None:
 
 
 def main() -> int:
-    from raysweep.cluster import worker_env
+    from raysweep.trainer import worker_env
 
     if os.environ.get("GLIBC_TUNABLES") != worker_env()["GLIBC_TUNABLES"]:
         # the bare loop must run in the environment a raysweep worker starts with

@@ -1,4 +1,4 @@
-"""The Ray runtime that `tune`, `train` and `probe` share: connect, plan, worker environment, trainer.
+"""The Ray runtime that `tune`, `train` and `probe` share: connect, plan (the trainer they build: trainer.py).
 
 Trial drivers hold a custom `trial_driver` resource (no CPU); each trial's workers hold
 `num_workers × resources_per_worker` in their own placement group. Concurrency is planned here so
@@ -9,7 +9,6 @@ ray/train/v2/_internal/execution/worker_group/worker_group.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -17,9 +16,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-from raysweep.config import SweepConfig, TrialConfig
+from raysweep.config import SweepConfig
 from raysweep.errors import RayNotStarted, UserError
-from raysweep.worker.compile_cache import cache_env
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +50,11 @@ def ray_env(worker_start_timeout_s: float) -> dict[str, str]:
 def pin_ray_address() -> None:
     """`worker_process_setup_hook` of the job: every Ray process of it knows its own cluster's address.
 
-    Train V2's PlacementGroupCleaner asks the State API for the controller's state with no address; with two
-    Ray instances on one machine (a test cluster beside a sweep's, two `ray start` sessions) that raises
-    "Found multiple active Ray instances", the cleaner's thread dies, and every finished trial's worker
-    placement group stays: the next trial's workers wait until they time out. Seen here; this fixes it.
+    Ray's libraries ask the State API with no address from inside a job (Train V2's PlacementGroupCleaner asks
+    for its controller's state; raysweep's trainers no longer start one: trainer._trainer_class); with two Ray
+    instances on one machine (a test cluster beside a sweep's, two `ray start` sessions) such a call raises
+    "Found multiple active Ray instances". The cleaner's thread died of it and every finished trial's worker
+    placement group stayed: the next trial's workers waited until they timed out. Seen here.
     """
     import ray
 
@@ -283,9 +282,9 @@ def remove_orphaned_groups() -> list[str]:
 
     Train V2's controller (an actor) places its worker group's placement group; Ray frees such a group only once
     its creating actor *and* its job have both died (the GCS's lifetime rule, GcsPlacementGroup::
-    IsPlacementGroupLifetimeDone in ray's src/ray/gcs/gcs_placement_group.cc), and Train V2's PlacementGroupCleaner
-    (ray/train/v2/_internal/execution/controller/placement_group_cleaner.py) removes only the
-    group the controller last registered with it. A slot's host killed while its controller restarted the group
+    IsPlacementGroupLifetimeDone in ray's src/ray/gcs/gcs_placement_group.cc). raysweep's trainers start no Train
+    V2 PlacementGroupCleaner (trainer._trainer_class): this is what removes such groups, and the cleaner removed
+    only the group the controller last registered with it. A slot's host killed while its controller restarted the group
     (a broker lost, a SIGKILL) leaves the new group holding its CPUs and GPUs for as long as the driver's job lives:
     for ever in a process that goes on (a test session, a notebook). Such a group is owned by no one by
     construction: its creator is dead and it is not detached, so nothing can schedule into it again. Only this job's
@@ -344,107 +343,3 @@ def _actor_dead(accessor, actor_id: bytes) -> bool:
         log.debug("reading actor %s: %s", actor_id.hex(), e)
         return False
     return blob is not None and gcs_pb2.ActorTableData.FromString(blob).state == gcs_pb2.ActorTableData.DEAD
-
-
-def worker_env(compile_cache: str | None = None) -> dict[str, str]:
-    """Environment for a trial's worker processes (it must be in place when they start).
-
-    `compile_cache`: the sweep's compile cache (worker/compile_cache.py): on a path, Inductor's cache directory.
-
-    glibc backs large allocations with transparent huge pages: an activation over 32 MB is a fresh
-    mmap, faulted in 4 KiB pages on first touch (a 157 MB elementwise pass took 77 ms into new
-    memory, 13 ms into reused memory here); 2 MiB pages cut the faults 512×. On the CPU step at
-    batch 512: 48-52 → 65-69 images/s, same peak RSS. Plus the RAYSWEEP_TEST_* fault switches,
-    where set (tests only).
-    """
-    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":")
-                if t and not t.startswith("glibc.malloc.hugetlb")]
-    env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
-    env.update(cache_env(compile_cache))
-    return env
-
-
-def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, callbacks=(), *, worker_fn,
-                 env: dict | None = None, extra_config: dict | None = None, compile_cache: str | None = None,
-                 max_failures: int | None = None, code: dict | None = None):
-    """A `TorchTrainer` whose workers run `worker_fn` on the shape of `trial`: worker/entry.slot_worker on a warm
-    slot, probe.probe_worker for the probe (the tests and benchmarks/ray_overhead.py pass a one-trial worker).
-
-    No Ray Train checkpoints: a warm slot's trials keep their own, in their own folders (worker/entry.py).
-    `worker_fn` gets {"trial": TrialConfig dict, "data": `data_ref`, "compile_cache", **`extra_config`}.
-    `compile_cache`: the sweep's compile cache (worker/compile_cache.py); `env` (default `worker_env(compile_cache)`)
-    must point Inductor at it. `max_failures`: group restarts Ray Train may make (None: the trial's
-    `train.max_failures`; a warm slot's trainer passes -1, unlimited, and the broker counts each trial's, slots/).
-    `code`: the user's model code for the workers (usercode.ship: {"py_modules": [...]}, or {}).
-    """
-    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
-
-    extra_config = {"compile_cache": compile_cache, **(extra_config or {})}
-    resources = {"CPU": trial.scaling.cpus_per_worker}
-    if trial.scaling.use_gpu:
-        resources["GPU"] = trial.scaling.gpus_per_worker  # 1, or 1/k where k workers share a GPU
-    return _trainer_class()(
-        worker_fn,
-        train_loop_config={"trial": trial.to_dict(), "data": data_ref, **extra_config},
-        # ranks sharing a GPU: gloo (it all-reduces CUDA tensors); NCCL refuses two ranks of one communicator on one
-        # device (ray-project/ray#48012). Otherwise Ray Train's choice: NCCL with GPUs, gloo without
-        torch_config=TorchConfig(backend="gloo") if trial.scaling.shares_gpu else None,
-        scaling_config=ScalingConfig(
-            num_workers=trial.scaling.num_workers, use_gpu=trial.scaling.use_gpu, resources_per_worker=resources
-        ),
-        run_config=RunConfig(
-            name=name,
-            storage_path=storage_path,
-            callbacks=list(callbacks),
-            # a worker crash restarts the group (a slot's trial resumes from its own checkpoint); a group
-            # that cannot start is retried once, so the wait is bounded by 2 × worker_start_timeout_s
-            failure_config=FailureConfig(
-                max_failures=trial.train.max_failures if max_failures is None else max_failures,
-                controller_failure_limit=1),
-            logging_config=LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": env if env is not None else worker_env(compile_cache), **(code or {})},
-        ),
-    )
-
-
-@functools.cache
-def _trainer_class():
-    """`TorchTrainer` without Ray Data's per-run `DatasetManager` actor when no `datasets` are given.
-
-    Train V2 starts that actor for every run whether or not it has datasets: a fresh Python process
-    importing ray.data (about 1 s of CPU), started while the worker group sets up, on the path to
-    the first report. raysweep's data travels as one object ref, never as Ray Datasets.
-    `tests/test_train_ray.py` checks that a trial starts no DatasetManager, so a Ray upgrade that renames
-    this private hook fails there.
-
-    And `fit()` puts back the SIGINT handler it found. Called on a main thread, Train V2's fit() installs
-    one that aborts its controller (ray-project/ray#53600) and never removes it: that handler holds the
-    controller's handle, so the TrainController stays alive after fit() returns, as long as the process
-    does (a `probe` in a driver that goes on, a test session), and the process's Ctrl-C keeps going to a
-    run that ended. `tests/test_train_ray.py` checks that no controller outlives its fit().
-    """
-    import signal
-    import threading
-
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-
-    class CaptchaTrainer(TorchTrainer):
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
-
-        def fit(self):
-            if threading.current_thread() is not threading.main_thread():
-                return super().fit()
-            handler = signal.getsignal(signal.SIGINT)
-            try:
-                return super().fit()
-            finally:
-                signal.signal(signal.SIGINT, handler)
-
-    return CaptchaTrainer

@@ -106,7 +106,7 @@ def probe(config: SweepConfig, start: int = 8, max_batch: int = 65536, margin: f
     """Run the probe on the connected Ray cluster; returns the table and the recommendation. `code`: the user's
     model code for the workers (usercode.ship_for; None: shipped now)."""
     from raysweep import usercode
-    from raysweep.cluster import make_trainer, worker_env
+    from raysweep.trainer import make_trainer, worker_env
     from raysweep.worker.probe_step import ProbeStep
 
     trial = config.trials.trial(config.trials.default_knobs(), train_size=1)

@@ -129,10 +129,11 @@ class Sweep:
 
         from raysweep import console, slots, usercode
         from raysweep.asha import AshaPlan
-        from raysweep.cluster import plan_when_free, trial_driver_node, worker_env
+        from raysweep.cluster import plan_when_free, trial_driver_node
         from raysweep.data import load_data
         from raysweep.data.describe import mlflow_params
         from raysweep.relay import SweepContext
+        from raysweep.trainer import worker_env
 
         config, where = self.config, self.where
         self.plan = plan_when_free(config, self.num_samples, console.print_waiting)

@@ -1,5 +1,5 @@
 """One trial on a worker group of its own, epoch 1 to its last, each epoch reported to Ray Train: what the tests that
-fit a single TorchTrainer run (tests/test_train_ray.py, through `cluster.make_trainer`). A sweep's trials run on warm
+fit a single TorchTrainer run (tests/test_train_ray.py, through `trainer.make_trainer`). A sweep's trials run on warm
 groups instead (worker/entry.slot_worker), which keep their checkpoints and resume.
 
 Ray's workers cannot import tests/ (pytest puts it on this process's path only), so this module travels to them by

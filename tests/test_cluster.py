@@ -86,7 +86,7 @@ def test_the_sweeps_compile_cache_is_a_folder_on_a_path_and_artifacts_on_s3(s3_b
     """On a path every worker's Inductor cache is the sweep's folder; on s3:// a worker that compiled saves torch's
     portable artifacts there and a worker on a fresh node (an empty local cache) loads them and compiles nothing."""
     from raysweep import storage
-    from raysweep.cluster import worker_env
+    from raysweep.trainer import worker_env
 
     root, client = s3_bucket
     assert worker_env(str(tmp_path / "cc"))["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cc")
@@ -148,8 +148,8 @@ def three_node_cluster():
     import ray._common.utils
     from ray.cluster_utils import Cluster
 
-    # the dashboard is off by default here; without it Train V2's PlacementGroupCleaner cannot ask the
-    # State API whether a trial's controller is gone, and every finished trial's placement group stays
+    # the dashboard is off by default here; a sweep's close asks the State API which of its slot actors live
+    # (slots/lifecycle.py), as it can on the clusters `ray start` and ray.init make
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 0, "resources": {"trial_driver": 8}, "include_dashboard": True,
                                       "dashboard_port": _free_port()})

@@ -84,7 +84,7 @@ def _fit(tmp_path, name, overrides, data_ref):
 
     import ray.train
 
-    from raysweep.cluster import make_trainer
+    from raysweep.trainer import make_trainer
 
     from one_trial import one_trial_worker
 
@@ -128,8 +128,9 @@ def test_accumulation_gives_same_global_batch_and_steps(tmp_path, data_ref):
         assert reports[-1]["samples_seen"] == 2 * 192
 
 
-def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_ref):
-    """Each of those is one more Python process to start before the first report (benchmarks/ray_overhead.py)."""
+def test_a_trial_starts_no_dataset_manager_preemption_watcher_or_placement_group_cleaner(tmp_path, data_ref):
+    """Each of those is one more Python process to start before the first report (benchmarks/ray_overhead.py); the
+    cleaner also asks the State API every second for as long as its trainer lives (benchmarks/ray_idle.py)."""
     import ray
     from ray.util.state import list_actors
 
@@ -145,9 +146,9 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
     started = [name for actor_id, name in actors().items() if actor_id not in before]  # this run's only
     assert started.count("RayTrainWorker") == 2  # the query sees this run's actors
     assert "TrainController" in started
-    assert "DatasetManager" not in started and "PreemptionWatcher" not in started
+    assert not {"DatasetManager", "PreemptionWatcher", "PlacementGroupCleaner"} & set(started), started
     # and none outlives its fit() (called here on the main thread, where Train V2 leaves a SIGINT handler
-    # holding its controller: cluster._trainer_class puts the old one back); Ray ends actors asynchronously
+    # holding its controller: trainer._trainer_class puts the old one back); Ray ends actors asynchronously
     mine = {actor_id for actor_id, name in actors().items()  # (Ray's autoscaling coordinator lives on, detached)
             if actor_id not in before and name in ("TrainController", "RayTrainWorker")}
     deadline = time.monotonic() + 30
@@ -161,7 +162,8 @@ def test_a_trial_starts_no_dataset_manager_or_preemption_watcher(tmp_path, data_
 SHARED_GPU_DRIVER = r"""
 import json, os, sys
 import ray
-from raysweep.cluster import make_trainer, ray_init_kwargs
+from raysweep.cluster import ray_init_kwargs
+from raysweep.trainer import make_trainer
 from raysweep.config import load_config
 
 out = sys.argv[2]

@@ -23,11 +23,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """What every slot's trainer is built from (cluster.make_trainer)."""
+    """What every slot's trainer is built from (trainer.make_trainer)."""
 
     data_ref: object  # ObjectRef of data.CaptchaData
     storage_path: str  # the slots' Ray Train runs live at <storage_path>/slot-<n> (no checkpoints: trials keep theirs)
-    env: dict  # worker environment (cluster.worker_env)
+    env: dict  # worker environment (trainer.worker_env)
     compile_cache: str | None
     node_id: str  # the trial drivers' node (cluster.trial_driver_node): the broker, slot hosts and their controllers
     store_wait_s: float = 300.0  # mlflow.retry_s: how long a slot waits for the store before a checkpoint
@@ -48,8 +48,8 @@ class SlotHost:
     """Runs one slot's long-lived trainer: fit() returns when the slot is retired."""
 
     def run(self, plan: SlotPlan, slot_id: int, trial: dict, broker) -> None:
-        from raysweep.cluster import make_trainer
         from raysweep.config import TrialConfig
+        from raysweep.trainer import make_trainer
         from raysweep.worker.entry import slot_worker
 
         make_trainer(TrialConfig.from_dict(trial), plan.data_ref, plan.storage_path, layout.slot_name(slot_id),
@@ -87,8 +87,9 @@ class BrokerActor(Broker):
         """Remove what the slot's groups left placed: the placement group its rank 0 reported, and every group of
         this job whose placing actor is dead (`_remove_orphans`). A controller that dies with its host (SIGKILL,
         the OOM killer) leaves its group holding the group's CPUs and GPUs: Ray frees an actor's group only once
-        its job ends too, and Train V2's PlacementGroupCleaner removes only the one its controller last
-        registered, so a host killed while its controller restarted the group left one for good. A group is
+        its job ends too (raysweep's trainers start no Train V2 PlacementGroupCleaner: trainer._trainer_class; it
+        removed only the group its controller last registered, so a host killed while its controller restarted
+        the group left one for good even with it). A group is
         this slot's, or no one's, by who placed it, never by when: a live controller's group (another slot's,
         still setting up; another sweep's) is never touched. A group that retired removed its own: nothing is
         left then."""

@@ -1,6 +1,6 @@
 """Agreed failures (the trial ends, no retry) and the test-only fault switches.
 
-The switches are read once per process, from the environment `cluster.worker_env()` passes on. They stay off
+The switches are read once per process, from the environment `trainer.worker_env()` passes on. They stay off
 the hot loop: an injected OOM is raised once per epoch (the micro-batch is the same for every step), and an
 injected NaN is a device-side factor the step multiplies its loss by only when the switch is set.
 """
@@ -22,7 +22,7 @@ class FaultInjection:
     RAYSWEEP_TEST_OOM_ABOVE=N: the training step raises torch.OutOfMemoryError when the per-GPU
     micro-batch exceeds N. RAYSWEEP_TEST_NAN_AT_STEP=K: the loss is NaN at optimizer step K (1-based).
     RAYSWEEP_TEST_SETUP_FAILS=1: a warm group's set-up raises on every rank, every time (a node's broken GPU).
-    Everything else on the path is the real one. They reach workers through `cluster.worker_env()`.
+    Everything else on the path is the real one. They reach workers through `trainer.worker_env()`.
     """
 
     oom_above: int | None = None
