@@ -64,11 +64,17 @@ NOT_QUICK_MODULES = ("test_benchmarks.py",)
 # a Ray of its own, its site build and browser none) went too. A later fresh-clone run: main 3864 s, side 3416 s;
 # test_batches.py (165 s) and test_noise.py (87 s), rank processes and no session cluster, moved to the side lane, with
 # test_report_reuse.py (30 s, no Ray), as test_confirm_fitted.py (110 s) joined the main lane; test_ray_start.py (40 s,
-# a driver process with a Ray of its own) went there too.
+# a driver process with a Ray of its own) went there too. Once the long tier left CI (`-m long`), with the 3.10 sweep
+# in it, the side lane had about 2500 s of a fresh-clone run's tests left (a21e053) against the main lane's 4540 s
+# (3268 s there, and 1272 s of its tests that the run's timeout left unrun, run later beside the `ray up` tests): four
+# modules that need no Ray (ranks, the loop, compile, the clock's paths; 320 s) moved to it, and two that sweep on the
+# session's cluster (test_search.py's TPE sweep with its resume, test_user_sweeps.py's example networks; 655 s): the
+# side lane then starts a session cluster of its own, a Ray start and its idle daemons for ~10 minutes.
 SIDE_LANE_MARKERS = ("hosts", "py310")
 SIDE_LANE_MODULES = ("test_benchmarks.py", "test_driver_scale.py",  # each a subprocess of its own, its own Ray
                      "test_gpu.py", "test_docs.py", "test_batches.py", "test_noise.py", "test_report_reuse.py",
-                     "test_ray_start.py")
+                     "test_ray_start.py", "test_models.py", "test_paths.py", "test_compile_limits.py",
+                     "test_loop_pieces.py", "test_search.py", "test_user_sweeps.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (xdist/remote.py)
