@@ -43,8 +43,13 @@ def one_case(actors: int, seconds: float) -> dict:
         ray.get(actor.pid.remote(), timeout=120)
         ray.kill(actor)
     session = ray._private.worker._global_node.get_session_dir_path()
-    (monitor,) = [p for p in psutil.Process().children(recursive=True)
-                  if any("log_monitor.py" in part for part in p.cmdline())]
+    def named_log_monitor(p) -> bool:
+        try:
+            return any("log_monitor.py" in part for part in p.cmdline())
+        except psutil.Error:  # a killed actor's worker not yet reaped (a zombie: no command line), or gone
+            return False
+
+    (monitor,) = [p for p in psutil.Process().children(recursive=True) if named_log_monitor(p)]
     time.sleep(2.0)  # the last actor's files found
     before, started = sum(monitor.cpu_times()[:2]), time.monotonic()
     time.sleep(seconds)

@@ -52,6 +52,8 @@ def start(config) -> Account | None:
     out = os.environ.get("RAYSWEEP_CPU_ACCOUNT")
     if not out or ":/raysweep-" in Path("/proc/self/cgroup").read_text():
         return None  # off, or a pytest a test started (the 3.10 one, a child check): its lane counts it already
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return None  # pytest-xdist's controller: a group of its own would hold its lanes, which then counted nothing
     lane = getattr(config, "workerinput", {}).get("workerid", "solo")
     try:
         return Account(Path(out), lane)
