@@ -113,8 +113,7 @@ def _trainer_class():
     class CaptchaTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
-            dropped = (PlacementGroupCleanerCallback,) if self.datasets else (PlacementGroupCleanerCallback,
-                                                                               DatasetsCallback)
+            dropped = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
             return [c for c in callbacks if not isinstance(c, dropped)]
 
         def fit(self):
