@@ -110,7 +110,7 @@ class CpuShare:
             try:
                 with p.oneshot():
                     t = p.cpu_times()
-                    row[p.pid] = (" ".join(p.cmdline()) or p.name(), t.user + t.system)
+                    row[p.pid] = (" ".join(p.cmdline()), p.name(), t.user + t.system)
             except psutil.Error:  # a process that exited mid-walk
                 pass
         return time.time(), row
@@ -130,15 +130,27 @@ class CpuShare:
         if first is None or last is None:
             return 0.0, []
         start = self.samples[first][1]
-        seen: dict[int, tuple[str, float]] = {}
-        for _, row in self.samples[first:last + 1]:
-            for pid, (name, cpu) in row.items():
-                if pid in start:
-                    # an actor's title once seen is kept: an exiting process shows ray::IDLE or no title
-                    keep = pid in seen and not (name.startswith("ray::") and name != "ray::IDLE")
-                    seen[pid] = (seen[pid][0] if keep else name, cpu)
-        used = [(cpu - start[pid][1], name) for pid, (name, cpu) in seen.items()]
+        seen = titled([row for _, row in self.samples[first:last + 1]], start)
+        used = [(cpu - start[pid][2], name) for pid, (name, cpu) in seen.items()]
         return self.samples[last][0] - self.samples[first][0], sorted(used, reverse=True)
+
+
+def titled(rows: list[dict], start: dict) -> dict[int, tuple[str, float]]:
+    """pid → (its title, its last CPU seconds) over sampled rows of pid → (command line, name, CPU seconds), for the
+    processes in `start`. An actor's title once read is kept: a process that is exiting shows ray::IDLE, or an empty
+    command line, where only the kernel's name is left, cut to 15 characters (`ray::RayTrainWo`): that name once
+    split the trial's worker in two in the CPU line."""
+    seen: dict[int, tuple[str, float]] = {}
+    for row in rows:
+        for pid, (cmdline, name, cpu) in row.items():
+            if pid not in start:
+                continue
+            if pid not in seen or (cmdline.startswith("ray::") and not cmdline.startswith("ray::IDLE")):
+                title = cmdline or (seen[pid][0] if pid in seen else name)
+            else:
+                title = seen[pid][0]
+            seen[pid] = (title, cpu)
+    return seen
 
 
 def process_label(cmdline: str) -> str:

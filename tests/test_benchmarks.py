@@ -58,6 +58,26 @@ def test_ray_overhead_quick_and_the_timeline_of_the_processes_a_trial_starts():
     assert re.search(r"^RESULT ray_first_report_s value=\d+\.\d+$", out, re.M)
 
 
+def test_ray_overheads_cpu_line_keeps_a_process_title_once_read_when_the_process_exits():
+    """The worker's last sample may read an empty command line (it is exiting), leaving only the kernel's 15-character
+    name: the CPU line once counted that sample's worker as another process, `RayTrainWo` (18 % of its 89 %)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ray_overhead", ROOT / "benchmarks" / "ray_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    worker, actor, new = 11, 12, 13
+    start = {worker: ("ray::IDLE", "ray::IDLE", 1.0), actor: ("ray::TrainController.run", "ray::TrainContr", 0.5)}
+    rows = [start,
+            {worker: ("ray::RayTrainWorker.run_train_fn", "ray::RayTrainWo", 5.0), actor: (*start[actor][:2], 0.7),
+             new: ("ray::IDLE", "ray::IDLE", 0.1)},
+            {worker: ("", "ray::RayTrainWo", 9.0), actor: ("ray::IDLE", "ray::IDLE", 0.8)}]
+    seen = module.titled(rows, start)
+    assert seen == {worker: ("ray::RayTrainWorker.run_train_fn", 9.0), actor: ("ray::TrainController.run", 0.8)}
+    assert {module.process_label(title) for title, _ in seen.values()} == {"RayTrainWorker", "TrainController"}
+    assert module.titled([{worker: ("", "ray::RayTrainWo", 2.0)}], start) == {worker: ("ray::RayTrainWo", 2.0)}
+
+
 def test_gpu_throughput_quick_checks_the_code_path_on_cpu():
     out = _run("gpu_throughput.py", "--noise", "on,off")
     assert "MFLOP per image forward+backward" in out
