@@ -169,7 +169,7 @@ def test_folder_scale_quick_runs_the_real_command_on_a_written_folder():
     out = _run("folder_scale.py")
     assert "decode (empty cache): 600 train + 60 val" in out and "read (cache): 600 train + 60 val" in out
     runs = [ln for ln in out.splitlines() if ln.startswith("train, ")]
-    assert [r.split(":")[0] for r in runs] == ["train, empty cache", "train, warm cache"]
+    assert [r.split(":")[0] for r in runs] == ["train, empty cache"]  # --quick: the command once (CI's time)
     for name in ("decode_s", "cached_read_s", "driver_peak_rss_gb", "first_step_cold_s"):
         assert re.search(rf"^RESULT folder_scale_{name} value=\d+\.\d+$", out, re.M), name
 
