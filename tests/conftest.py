@@ -25,10 +25,10 @@ for _key in [k for k in os.environ if k.startswith("AWS_")]:
 os.environ.update(AWS_TEST_ENV)
 # The two lanes (below) share the 2 cores, and each runs torch on 2 threads (a test's own loop, rank processes, a bare
 # benchmark loop) much of the time. libgomp's threads spin between parallel regions by default (OMP_WAIT_POLICY unset:
-# GOMP_SPINCOUNT's 300,000 spins, libgomp/env.c), burning the cores the other lane's threads wait for: two 2-thread
-# loops run together took 13.4-36.6 s each where one alone took 3.9 s; with PASSIVE (a waiting thread sleeps) 5.6-6.2 s
-# each, and alone 3.8 s. `-m quick` in two lanes: 647 s, then 520 s with PASSIVE. Set before torch loads libgomp, and
-# inherited by every process the tests start (the session clusters' Ray workers among them).
+# GOMP_SPINCOUNT's 300,000 spins, libgomp/env.c), burning the cores the other lane's threads wait for. Two 2-thread
+# CNN loops run together took 38.9 s where one alone took 2.9 s; with PASSIVE (a waiting thread sleeps) 5.1 s, and 3.2 s
+# alone (benchmarks/omp_lanes.py, RESULTS.md). `-m quick` in two lanes: 647 s, then 520 s with PASSIVE. Set before
+# torch loads libgomp, and inherited by every process the tests start (the session clusters' Ray workers among them).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Ray fixes its auth mode for the process when first imported: import it now, with the environment above, so
 # that no test that changes RAY_AUTH_MODE (test_auth.py) decides it for the session's cluster. The GPU suite's
