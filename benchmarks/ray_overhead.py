@@ -145,8 +145,10 @@ def titled(rows: list[dict], start: dict) -> dict[int, tuple[str, float]]:
         for pid, (cmdline, name, cpu) in row.items():
             if pid not in start:
                 continue
-            if pid not in seen or (cmdline.startswith("ray::") and not cmdline.startswith("ray::IDLE")):
-                title = cmdline or (seen[pid][0] if pid in seen else name)
+            if pid not in seen:
+                title = cmdline or name
+            elif cmdline.startswith("ray::") and not cmdline.startswith("ray::IDLE"):
+                title = cmdline
             else:
                 title = seen[pid][0]
             seen[pid] = (title, cpu)
