@@ -106,6 +106,13 @@ class MLflowEvents(Callback):
     def set_state(self, state: dict) -> None:
         self.runs.restore(state)
 
+    def on_step_begin(self, iteration, trials, **info):
+        """The store's failure ends the sweep once the writer gave up, not at the next result: a slot waits for the
+        store before its checkpoint, so none may come before its own wait ends."""
+        from raysweep.tracking import raise_if_gave_up
+
+        raise_if_gave_up(self.runs.parent_run_id)
+
     def on_experiment_end(self, trials, **info):
         from raysweep.tracking import flush_writes
 

@@ -21,6 +21,7 @@ from raysweep.failures import find_cause
 log = logging.getLogger(__name__)
 
 END_WAIT_S = 30.0  # how long a failed sweep waits for the store to end its runs (the next command ends the rest)
+STORE_LOST_END_WAIT_S = 3.0  # the same where the store itself failed the sweep (it had mlflow.retry_s already)
 
 
 def in_store(config, call, what: str, wait_s: float | None = None):
@@ -280,10 +281,13 @@ class Sweep:
             tracking.flush_writes(self.parent_run_id)  # what the trials reported, then their ending
         except Exception as mlflow_error:
             log.error("MLflow writes of run %s: %s", self.parent_run_id, mlflow_error)
-        try:  # bounded: a store that stopped answering must not hold the sweep's end (the next command ends them)
+        # bounded: a store that stopped answering must not hold the sweep's end (the next command ends the runs);
+        # where the store is the cause, it already had mlflow.retry_s, so the end is one short attempt
+        wait_s = STORE_LOST_END_WAIT_S if find_cause(e, StoreUnavailable) is not None else END_WAIT_S
+        try:
             in_store(self.config, lambda: tracking.end_sweep(
                 self.where.tracking_uri, self.parent_run_id, "KILLED" if interrupted else "FAILED",
-                error=None if interrupted else _cause(e)), "the sweep's end", END_WAIT_S)
+                error=None if interrupted else _cause(e)), "the sweep's end", wait_s)
         except Exception as mlflow_error:
             log.error("could not end MLflow run %s (the next raysweep command on the store ends it): %s",
                       self.parent_run_id, mlflow_error)

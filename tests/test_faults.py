@@ -4,7 +4,6 @@ pruned). Real Ray (the session cluster), real MLflow on SQLite, real processes k
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -506,10 +505,15 @@ def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_ml
     """A server SIGSTOPped: the kernel still accepts its connections and nothing answers, so one MLflow call blocks
     inside MLflow's own retries (a 120 s read timeout, several times). The writer checked retry_s only between
     attempts and flush() was an unbounded join: Ctrl-C against such a server hung for many minutes. Now the write
-    gives up at retry_s (4 s here), the writes behind it are dropped, and flush raises why."""
+    gives up at retry_s (4 s here), the writes behind it are dropped, and flush raises why. Once it gave up, Tune's
+    loop is told at its next step, without waiting for another write (`raise_if_gave_up`, the sweep callback's
+    `on_step_begin`), and the heartbeat's exit does not wait for a beat blocked on the same store (it joined that
+    beat for up to 10 s of the sweep's end)."""
     from mlflow.tracking import MlflowClient
 
-    from raysweep.tracking.writer import Writer
+    from raysweep.errors import StoreUnavailable
+    from raysweep.tracking import Heartbeat, raise_if_gave_up
+    from raysweep.tracking import writer as sweep_writer
 
     port = _free_port()
     with open(tmp_path / "server.log", "w") as log:
@@ -517,9 +521,10 @@ def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_ml
     try:
         client = MlflowClient(f"http://127.0.0.1:{port}")
         run_id = client.create_run(client.create_experiment("t")).info.run_id
-        writer = Writer("t", retry_s=4.0)
+        writer = sweep_writer(run_id, retry_s=4.0)
         writer.put(lambda: client.log_metric(run_id, "m", 1.0, step=1))
         writer.flush()  # a server that answers: the write lands
+        raise_if_gave_up(run_id)  # nothing to raise
         os.killpg(server.pid, signal.SIGSTOP)
         for step in (2, 3, 4):
             writer.put(lambda step=step: client.log_metric(run_id, "m", float(step), step=step))
@@ -540,6 +545,14 @@ def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_ml
         assert elapsed < 30, elapsed
         with pytest.raises(RuntimeError, match="did not answer for mlflow.retry_s"):  # stopped: no write past it
             writer.put(lambda: None)
+        with pytest.raises(StoreUnavailable):
+            raise_if_gave_up(run_id)
+        with pytest.raises(StoreUnavailable):
+            with Heartbeat(f"http://127.0.0.1:{port}", run_id, every_s=3.0):
+                time.sleep(3.5)  # its first beat began at 3 s, blocked on the server: given up at 6 s
+                ending = time.monotonic()
+                writer.flush()  # the sweep's end, as the driver meets it
+        assert time.monotonic() - ending < 1.0, time.monotonic() - ending
     finally:
         os.killpg(server.pid, signal.SIGCONT)
         os.killpg(server.pid, signal.SIGKILL)
@@ -660,15 +673,23 @@ def test_a_tracking_server_that_hangs_mid_sweep_ends_it_within_retry_s_and_a_min
             _wait_for(first_epoch_stored, 240, "the trial's first epoch in the store")
             os.killpg(server.pid, signal.SIGSTOP)
             hung = time.monotonic()
-            try:
-                code = driver.wait(timeout=retry_s + 60 + 30)
-            except subprocess.TimeoutExpired:
-                code = None
+            gave_up, said = None, f"failed for {retry_s} s (mlflow.retry_s)"  # the writer's ERROR line: it gave up
+            while driver.poll() is None and time.monotonic() - hung < retry_s + 60 + 30:
+                if gave_up is None and said in (tmp_path / "driver.log").read_text():
+                    gave_up = time.monotonic()
+                time.sleep(0.2)
+            code = driver.poll()
             took = time.monotonic() - hung
             out = (tmp_path / "driver.log").read_text()
             state = f"exited {code}" if code is not None else "still runs"
             assert code == 1, f"the driver {state} {took:.0f} s after the store hung:\n{out[-3000:]}"
             assert took < retry_s + 60, took
+            # once the writer gave up, the end does not wait on the store again: it said why and stopped (it once
+            # waited up to 30 s more for the same silent store to end the runs, which the next command does)
+            assert gave_up is not None, out[-3000:]
+            print(f"the driver exited {took:.1f} s after the store hung, {took - (gave_up - hung):.1f} s after the "
+                  f"writer gave up")
+            assert took - (gave_up - hung) < 30, (took, gave_up - hung, out[-3000:])
             last = out.strip().splitlines()[-1]
             assert last.startswith("raysweep: failed: the MLflow store at http://127.0.0.1:"), last
             assert "retry_s" in last, last

@@ -43,13 +43,13 @@ from raysweep.tracking.runs import (
 )
 from raysweep.tracking.store import StoreTimeout, bounded, in_store, resolve_tracking_uri, runs_link, sqlite_path
 from raysweep.tracking.trial_runs import TrialRuns
-from raysweep.tracking.writer import Writer, flush_writes, writer
+from raysweep.tracking.writer import Writer, flush_writes, raise_if_gave_up, writer
 
 __all__ = [
     "Heartbeat", "StoreTimeout", "TrialRuns", "Writer", "bounded", "close_sweep", "confirm_tags", "end_sweep",
     "epoch_seconds_by_batch", "find_parent", "flush_writes", "in_store", "last_noise_scale", "load_sweep",
-    "log_answer",
-    "log_confirmation", "log_importance", "log_probe", "log_recommendation", "log_report", "log_sweep_figures",
-    "open_sweep", "reconcile_orphans", "reopen", "resolve_tracking_uri", "resumed_parent", "runs_link",
+    "log_answer", "log_confirmation", "log_importance", "log_probe", "log_recommendation", "log_report",
+    "log_sweep_figures", "open_sweep", "raise_if_gave_up", "reconcile_orphans", "reopen", "resolve_tracking_uri",
+    "resumed_parent", "runs_link",
     "settled_trials", "spec_of", "sqlite_path", "target_tags", "trial_histories", "writer",
 ]

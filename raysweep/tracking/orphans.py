@@ -28,9 +28,15 @@ class Heartbeat:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        """Let a beat in progress end first (a few ms on a store that answers), but never wait on a store that has
+        just failed the sweep: that beat is blocked on it for up to a beat's time."""
+        from raysweep.errors import StoreUnavailable
+        from raysweep.failures import find_cause
+
         self.done.set()
-        self.thread.join(timeout=10)
+        if exc is None or find_cause(exc, StoreUnavailable) is None:
+            self.thread.join(timeout=10)
 
     def _run(self):
         from raysweep.tracking.store import bounded

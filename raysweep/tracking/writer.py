@@ -111,6 +111,13 @@ def writer(parent_run_id: str, retry_s: float = 300.0, store: str = "the trackin
     return _WRITERS[parent_run_id]
 
 
+def raise_if_gave_up(parent_run_id: str) -> None:
+    """Raise the store's failure (errors.StoreUnavailable) once the sweep's writer gave up; nothing otherwise, and
+    no store call: cheap enough for every step of Tune's loop."""
+    if parent_run_id in _WRITERS:
+        _WRITERS[parent_run_id]._raise()
+
+
 def flush_writes(parent_run_id: str) -> None:
     """Wait until every queued write of the sweep is in the store (raises the first that failed). Before anything
     that reads the store or ends runs: the sweep's end, its summary, Ctrl-C."""
