@@ -685,11 +685,12 @@ def test_a_tracking_server_that_hangs_mid_sweep_ends_it_within_retry_s_and_a_min
             assert code == 1, f"the driver {state} {took:.0f} s after the store hung:\n{out[-3000:]}"
             assert took < retry_s + 60, took
             # once the writer gave up, the end does not wait on the store again: it said why and stopped (it once
-            # waited up to 30 s more for the same silent store to end the runs, which the next command does)
+            # waited 30 s more for the same silent store to end the runs, which the next command does, after Tune's
+            # own 5 s stopping its trials: 50.7 s alone). Now 13.8 s alone, 24.9 s under the long tier's load
             assert gave_up is not None, out[-3000:]
             print(f"the driver exited {took:.1f} s after the store hung, {took - (gave_up - hung):.1f} s after the "
                   f"writer gave up")
-            assert took - (gave_up - hung) < 30, (took, gave_up - hung, out[-3000:])
+            assert took - (gave_up - hung) < 35, (took, gave_up - hung, out[-3000:])
             last = out.strip().splitlines()[-1]
             assert last.startswith("raysweep: failed: the MLflow store at http://127.0.0.1:"), last
             assert "retry_s" in last, last
