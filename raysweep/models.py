@@ -121,7 +121,34 @@ def build(model: ModelConfig, image: ImageSpec, path: str | None = None) -> nn.M
         if not model.builtin:
             raise ValueError(f"path {path!r} is the built-in CNN's; {model.name} takes no path")
         kwargs["path"] = path
-    return resolve(model.factory)(image, **kwargs)
+    module = resolve(model.factory)(image, **kwargs)
+    size_lazy(module, image)
+    return module
+
+
+def size_lazy(module: nn.Module, image: ImageSpec) -> None:
+    """Size a module's lazy layers (nn.LazyConv2d, nn.LazyLinear, ...: torch/nn/modules/lazy.py) by one forward of
+    CHECK_IMAGES blank images, as PyTorch asks before DDP, an optimizer or `numel` may see them. In eval mode and
+    without autograd, so no running statistic moves and no dropout draws; each submodule's mode is then as the
+    factory left it. The lazy layers' initialisation draws from torch's RNG, as a sized layer's does in its
+    constructor: the trial's seed makes it the same on every rank. A module without lazy layers is not touched."""
+    import torch
+    from torch.nn.parameter import is_lazy
+
+    from raysweep.worker.shard import model_input, wants_channels_last
+
+    if not any(is_lazy(t) for t in (*module.parameters(), *module.buffers())):
+        return
+    modes = [(m, m.training) for m in module.modules()]
+    stored = (CHECK_IMAGES, image.height, image.width) + ((image.channels,) if image.channels > 1 else ())
+    x = model_input(torch.zeros(stored, dtype=torch.uint8), wants_channels_last(module))
+    try:
+        module.eval()
+        with torch.no_grad():
+            module(x)
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -156,21 +183,26 @@ def check(model: ModelConfig, image: ImageSpec, search: Sequence[Path] = ()) -> 
                         f"{kwargs})") from None
     if not isinstance(module, nn.Module):
         raise UserError(f"{key}: the factory returned a {type(module).__name__}, not a torch.nn.Module")
+    shape = (CHECK_IMAGES, image.channels, image.height, image.width)
+
+    def forward(fn):
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return fn()
+        except Exception as e:
+            layout = "channels_last" if wants_channels_last(module) else "NCHW"
+            raise UserError(f"{key}: its forward on {CHECK_IMAGES} images of shape {shape} (float in [0, 1], "
+                            f"{layout}) raised {_one_line(e)}") from None
+
+    forward(lambda: size_lazy(module, image))  # as models.build does: lazy layers sized before anything counts them
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not trainable:
         raise UserError(f"{key}: the model has no trainable parameters (none with requires_grad): there is nothing "
                         f"to train")
-    shape = (CHECK_IMAGES, image.channels, image.height, image.width)
     stored = (CHECK_IMAGES, image.height, image.width) + ((image.channels,) if image.channels > 1 else ())
     x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8), wants_channels_last(module))  # as the loop does
     module.train()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            out = module(x)
-    except Exception as e:
-        layout = "channels_last" if wants_channels_last(module) else "NCHW"
-        raise UserError(f"{key}: its forward on {CHECK_IMAGES} images of shape {shape} (float in [0, 1], {layout}) "
-                        f"raised {_one_line(e)}") from None
+    out = forward(lambda: module(x))
     if not isinstance(out, torch.Tensor):
         raise UserError(f"{key}: its forward returned a {type(out).__name__}; expected a tensor of logits "
                         f"({CHECK_IMAGES}, {image.length}, {image.num_classes}) or ({CHECK_IMAGES}, "

@@ -109,6 +109,35 @@ def test_check_names_the_model_and_its_size(tmp_path, capsys, user_models):
     assert code == 0 and "# model: captcha_cnn(dropout=0.5): " in out
 
 
+def _lazy_parameters(hidden: int) -> int:
+    """user_models:lazy's trainable parameters once its first forward has sized them (1 channel, 24×64 images)."""
+    conv, norm = hidden * 1 * 3 * 3 + hidden, 2 * hidden
+    linear = (hidden * 2 * 2 * IMAGE.length + 1) * IMAGE.length * IMAGE.num_classes
+    return conv + norm + linear
+
+
+def test_a_model_with_lazy_layers_is_checked_and_counted_once_its_first_forward_sized_them(tmp_path, capsys,
+                                                                                            user_models):
+    """Lazy layers (nn.LazyConv2d, nn.LazyLinear, ...) have no size until a forward: the check counted them before
+    it (a traceback from `numel`, exit 1). raysweep sizes them with one forward of two blank images, in eval mode,
+    where the factory's model is built (models.build), so the check, DDP and the optimizer all see sized ones."""
+    code, out = _check_line(tmp_path, capsys, "model.factory=user_models:lazy", "model.kwargs.hidden=4")
+    line = f"# model: user_models:lazy(hidden=4): {_lazy_parameters(4):,} trainable parameters; logits (2, 4, 36)"
+    assert code == 0 and line in out, out
+    from raysweep.config import ModelConfig
+    from raysweep.models import build
+
+    torch.manual_seed(0)
+    module = build(ModelConfig(factory="user_models:lazy", kwargs={"hidden": 4}), IMAGE)
+    assert module.training and not any(isinstance(p, torch.nn.parameter.UninitializedParameter)
+                                       for p in module.parameters())
+    norm = module.body[1]
+    assert norm.num_batches_tracked.item() == 0 and torch.equal(norm.running_mean, torch.zeros(4))  # eval: unmoved
+    torch.manual_seed(0)
+    again = build(ModelConfig(factory="user_models:lazy", kwargs={"hidden": 4}), IMAGE)
+    assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), again.state_dict().values()))
+
+
 def test_a_factory_beside_the_spec_is_found_from_another_folder(tmp_path, capsys, monkeypatch):
     """The spec's folder is searched after the working directory: `raysweep tune ~/proj/spec.yaml` from elsewhere."""
     project = tmp_path / "proj"
@@ -229,6 +258,21 @@ def test_a_parameter_without_a_gradient_trains_under_ddp_with_find_unused_parame
     monkeypatch.syspath_prepend(str(TESTS))
     r = run_ranks(_two_rank_epochs, 2, factory="user_models:with_unused", kwargs={}, find_unused=True)[0]
     assert all(math.isfinite(v) for v in r["losses"])
+
+
+@pytest.mark.timeout(300)
+def test_a_model_with_lazy_layers_trains_under_ddp(monkeypatch):
+    """DDP refuses a module whose parameters are not yet sized (torch/nn/parallel/distributed.py), and AdamW would
+    hold the unsized ones: the rank's model is sized before either sees it, the same on every rank."""
+    from ranks import run_ranks
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    ranks = run_ranks(_two_rank_epochs, 2, factory="user_models:lazy", kwargs={"hidden": 8})
+    assert ranks[0] == ranks[1]
+    r = ranks[0]
+    assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][1] < r["losses"][0], r
+    assert all(v is not None and math.isfinite(v) for v in r["noise"]), r
+    assert r["parameters"] == _lazy_parameters(8)
 
 
 _STRIDED_1X1 = """

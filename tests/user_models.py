@@ -77,6 +77,26 @@ def with_unused(image):
     return WithUnused(image)
 
 
+class LazyNet(nn.Module):
+    """Its sizes are PyTorch's to infer: lazy layers (nn.LazyConv2d, nn.LazyBatchNorm2d, nn.LazyLinear) hold
+    uninitialized parameters until the first forward, and DDP, optimizers and `numel` refuse those
+    (torch/nn/modules/lazy.py)."""
+
+    def __init__(self, image, hidden: int = 8):
+        super().__init__()
+        self.length, self.classes = image.length, image.num_classes
+        self.body = nn.Sequential(nn.LazyConv2d(hidden, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d((2, 2 * image.length)), nn.Flatten(),
+                                  nn.LazyLinear(image.length * image.num_classes))
+
+    def forward(self, x):
+        return self.body(x).reshape(-1, self.length, self.classes)
+
+
+def lazy(image, hidden: int = 8):
+    return LazyNet(image, hidden)
+
+
 def returns_a_list(image):
     return [TinyNet(image)]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from raysweep.data import CaptchaArrays
 
@@ -104,10 +105,11 @@ def rank_shards(data, num_classes: int, device: torch.device, rank: int, world_s
 def wants_channels_last(model: nn.Module) -> bool:
     """Whether `model`'s convolutions run NHWC: its 4-D weights are laid out channels_last, as raysweep's CNN makes
     its own (model.captcha_cnn) and as a module's own `.to(memory_format=torch.channels_last)` makes any. Weights
-    whose strides fit both layouts (a 1×1 kernel, one input channel) say nothing. Its batches come in that layout
-    (`model_input`)."""
+    whose strides fit both layouts (a 1×1 kernel, one input channel) say nothing, nor do a lazy layer's before its
+    first forward has sized them (models.size_lazy). Its batches come in that layout (`model_input`)."""
     last = torch.channels_last
-    told = [w for w in model.parameters() if w.dim() == 4 and w.is_contiguous() != w.is_contiguous(memory_format=last)]
+    told = [w for w in model.parameters() if not is_lazy(w) and w.dim() == 4
+            and w.is_contiguous() != w.is_contiguous(memory_format=last)]
     return bool(told) and all(w.is_contiguous(memory_format=last) for w in told)
 
 
