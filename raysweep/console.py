@@ -22,7 +22,7 @@ from raysweep.metrics import (
     outcome_counts,
 )
 from raysweep.metrics import names as M
-from raysweep.report.table import counted, fmt, format_table, shown
+from raysweep.report.table import SAMPLES, counted, fmt, format_table, shown
 
 if TYPE_CHECKING:
     from raysweep.config import DataConfig, SweepConfig, TrainConfig, TuneSection
@@ -42,7 +42,7 @@ def epoch_line(r: dict, epochs: int) -> str:
     """`train`'s line per epoch, from a reported result."""
     mem = (f"peak mem {r[M.peak_mem_allocated_gb]:.2f} GiB" if r.get(M.peak_mem_allocated_gb)
            else f"rss {r.get(M.rss_gb, 0):.2f} GiB")
-    noise = f"  B_noise {fmt(r.get(M.grad_noise_scale), ',.0f')}" if M.grad_noise_scale in r else ""
+    noise = f"  B_noise {fmt(r.get(M.grad_noise_scale), SAMPLES)}" if M.grad_noise_scale in r else ""
     compiled = f"  compiled in {r[M.compile_s]:.1f}s" if r.get(M.compile_s) else ""
     clock = f"  {r[M.train_seconds]:.1f} s trained" if r.get(M.train_seconds) else ""
     reached = f"  target in {r[M.time_to_target_s]:.1f} s" if r.get(M.time_to_target_s) is not None else ""
@@ -93,7 +93,7 @@ class ConsoleProgress:
                 fmt(t.knobs.base_lr, ".2e"), fmt(t.peak_lr, ".2e"), fmt(t.knobs.warmup_epochs, "g"),
                 fmt(t.knobs.weight_decay, ".1e"), fmt(view.last.get(M.epoch)), fmt(view.value(M.val_loss)),
                 fmt(view.value(M.val_exact_acc), ".3f"), fmt(view.value(M.samples_per_s), ",.0f"), fmt(mem, ".2f"),
-                fmt(view.value(M.grad_noise_scale), ",.0f")]
+                fmt(view.value(M.grad_noise_scale), SAMPLES)]
 
     def table(self, views: list[TrialView]) -> str:
         return format_table(self.COLUMNS, [self.row(v) for v in views])

@@ -21,6 +21,13 @@ import math
 from dataclasses import dataclass
 
 
+def in_samples(b_noise: float) -> str:
+    """B_noise as the console, the report and the answer print it: whole samples with thousands separators from 10
+    up, two significant digits below (a network still learning its output's bias can measure 0.3, and "0" would
+    read as a meter that measured nothing)."""
+    return format(b_noise, ",.0f") if abs(b_noise) >= 10 else format(b_noise, ".2g")
+
+
 @dataclass(frozen=True)
 class NoiseEstimate:
     """The two smoothed parts and their ratio (None unless both are positive: where noise swamps the signal

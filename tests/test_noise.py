@@ -150,6 +150,24 @@ def test_recommendation_follows_the_tradeoff():
     assert recommend(float("nan"), {64: 1.0}) is None and recommend(100.0, {}) is None
 
 
+def test_a_noise_scale_below_ten_samples_is_printed_with_two_digits_not_as_zero(capsys):
+    """A network still learning its output's bias measured B_noise ≈ 0.3 samples (a lazy-layer CNN's quickstart
+    sweep): the console said "B_noise ≈ 0 samples", a meter that measured nothing. Whole samples from 10 up."""
+    from raysweep.answer.console import print_recommendation
+    from raysweep.console import epoch_line
+    from raysweep.metrics import names as M
+
+    print_recommendation(recommend(0.3127, {32: 479.0, 64: 489.0}, "best trial t1, epoch 6"))
+    out = capsys.readouterr().out
+    assert "B_noise ≈ 0.31 samples (best trial t1, epoch 6)" in out and "near B ≈ B_noise ≈ 0.31:" in out, out
+    epoch = {M.epoch: 1, M.train_loss: 0.5, M.val_loss: 0.5, M.val_exact_acc: 0.0, M.val_char_acc: 0.1, M.lr: 1e-3,
+             M.samples_per_s: 479.0, M.rss_gb: 1.0, M.grad_noise_scale: 0.3127}
+    assert "  B_noise 0.31  " in epoch_line(epoch, 6) + "  "
+    from raysweep.noise import in_samples
+
+    assert [in_samples(v) for v in (0.3127, 3.456, 9.96, 10.4, 1207.4)] == ["0.31", "3.5", "10", "10", "1,207"]
+
+
 @pytest.mark.parametrize("accum", [2, 1])
 def test_one_rank_meter_leaves_training_unchanged_and_reports_the_estimate(accum):
     """The meter's hand accumulation (each micro-batch's backward alone, summed), and without accumulation its

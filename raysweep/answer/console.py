@@ -3,7 +3,8 @@ time-to-target table and how it held against the sweep), and `confirm`'s start a
 
 from __future__ import annotations
 
-from raysweep.report.table import fmt, format_table
+from raysweep.noise import in_samples
+from raysweep.report.table import SAMPLES, fmt, format_table
 
 
 def print_recommendation(rec) -> None:
@@ -12,13 +13,14 @@ def print_recommendation(rec) -> None:
     assumes its batch's LR is tuned, which the sweep's trials may not have done."""
     rows = [[str(c.global_batch), f"{c.samples_per_s:,.0f}", f"{c.samples:.2f}", f"{c.steps:.2f}", f"{c.time:.2f}"]
             for c in rec.candidates]
-    print(f"\nthe gradient noise scale B_noise ≈ {rec.noise_scale:,.0f} samples ({rec.source}), and what it predicts")
+    print(f"\nthe gradient noise scale B_noise ≈ {in_samples(rec.noise_scale)} samples ({rec.source}), and what it "
+          f"predicts")
     print("for the cost to reach the same loss at each global batch measured, with its LR tuned (McCandlish et al. "
           "2018): samples ∝ 1 + B/B_noise, steps ∝ 1 + B_noise/B, time ∝ samples ÷ samples/s (1 = the least)")
     print(format_table(("global_batch", "samples/s", "samples×", "steps×", "time×"), rows))
-    print(f"batch growth stops paying near B ≈ B_noise ≈ {rec.noise_scale:,.0f}: below it a doubled batch nearly "
-          f"halves the steps; above it, steps fall little while samples grow. This is evidence, not the answer: the "
-          f"answer is the sweep's best trial (below); `raysweep answer SPEC --batch N` predicts a recipe for any "
+    print(f"batch growth stops paying near B ≈ B_noise ≈ {in_samples(rec.noise_scale)}: below it a doubled batch "
+          f"nearly halves the steps; above it, steps fall little while samples grow. This is evidence, not the answer: "
+          f"the answer is the sweep's best trial (below); `raysweep answer SPEC --batch N` predicts a recipe for any "
           f"batch and `raysweep confirm SPEC --batch N` measures it.")
 
 
@@ -71,7 +73,7 @@ def print_answer(answer, written: str | None = None) -> None:
         low, high = fit.interval
         print(f"  LR × B:   best peak LR ∝ B^{fit.exponent:.2f} (90 % interval {low:.2f} to {high:.2f}: "
               f"{_supports(fit)}), fitted over {fit.trials} trials at global batches "
-              f"{', '.join(map(str, fit.batches))} ({fit.budget}); B_noise ≈ {fmt(fit.b_noise, ',.0f')}")
+              f"{', '.join(map(str, fit.batches))} ({fit.budget}); B_noise ≈ {fmt(fit.b_noise, SAMPLES)}")
     else:
         print(f"  LR × B:   not fitted ({fit.reason})")
     print(f"  other B:  {used_words(fit)}")

@@ -23,6 +23,7 @@ from raysweep.answer.recipe import answer_of, confirm_command, ranked, rates, sa
 from raysweep.answer.records import Answer, Expected
 from raysweep.metrics import SweepRecord
 from raysweep.metrics import names as M
+from raysweep.noise import in_samples
 from raysweep.optim import LR_RULE_POWER
 
 PREDICTORS = {"fit": "the sweep's checked fit", "sqrt": "the square-root rule", "none": "keeping the answer's LR"}
@@ -101,8 +102,8 @@ def _lr_at(base: Answer, batch: int) -> tuple[float, list[str]]:
         notes.append(f"global batch {batch} is more than 2× outside the batches the sweep ran "
                      f"({min(fit.batches)} to {max(fit.batches)}): an extrapolation")
     if fit.b_noise and batch > fit.b_noise:
-        notes.append(f"global batch {batch} is past B_noise ≈ {fit.b_noise:,.0f}: the LR is held at B_noise's (Adam's "
-                     f"best LR peaks near it), and each sample buys less")
+        notes.append(f"global batch {batch} is past B_noise ≈ {in_samples(fit.b_noise)}: the LR is held at "
+                     f"B_noise's (Adam's best LR peaks near it), and each sample buys less")
     return lr, notes
 
 
@@ -121,11 +122,12 @@ def _expected_at(record: SweepRecord, base: Answer, batch: int, advice) -> Expec
         seconds = samples / rate if rate else None
         return Expected(e.metric, e.value, seconds, samples, seconds,
                         f"the answer's {answer_trial.last(M.samples_to_target):,.0f} samples to the target × E(B) "
-                        f"ratio {ratio:.2f} (B_noise ≈ {advice.noise_scale:,.0f}), at {rate or 0:,.0f} samples/s",
+                        f"ratio {ratio:.2f} (B_noise ≈ {in_samples(advice.noise_scale)}), at {rate or 0:,.0f} "
+                        f"samples/s",
                         at="the target")
     samples = answer_trial.last(M.samples_seen) * ratio
     seconds = samples / rate if rate else None
     return Expected(e.metric, e.value, None, samples, seconds,
                     f"the answer's {e.metric} {e.value:.4g} after its {answer_trial.last(M.samples_seen):,.0f} "
-                    f"samples × E(B) ratio {ratio:.2f} (B_noise ≈ {advice.noise_scale:,.0f}), at {rate or 0:,.0f} "
-                    f"samples/s", at=e.at)
+                    f"samples × E(B) ratio {ratio:.2f} (B_noise ≈ {in_samples(advice.noise_scale)}), at "
+                    f"{rate or 0:,.0f} samples/s", at=e.at)

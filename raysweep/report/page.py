@@ -10,6 +10,7 @@ import base64
 import html
 from pathlib import Path
 
+from raysweep.noise import in_samples
 from raysweep.report.importance import MIN_TRIALS
 from raysweep.report.plots import PLOTS
 from raysweep.report.table import counted, fmt, shown
@@ -140,10 +141,10 @@ def _advice(report) -> str:
         cells = "".join(f"<tr><td>{c.global_batch}</td><td>{c.samples_per_s:,.0f}</td><td>{c.samples:.2f}</td>"
                         f"<td>{c.steps:.2f}</td><td>{c.time:.2f}</td></tr>" for c in rec.candidates)
         out = (f"<h2>What the noise scale predicts</h2><p>Gradient noise scale B<sub>noise</sub> ≈ "
-               f"{rec.noise_scale:,.0f} samples ({html.escape(rec.source)}). Predicted cost to reach the same loss "
-               f"at each global batch the sweep measured, with its LR tuned: samples ∝ 1 + B/B<sub>noise</sub>, "
+               f"{in_samples(rec.noise_scale)} samples ({html.escape(rec.source)}). Predicted cost to reach the same "
+               f"loss at each global batch the sweep measured, with its LR tuned: samples ∝ 1 + B/B<sub>noise</sub>, "
                f"steps ∝ 1 + B<sub>noise</sub>/B, time ∝ samples ÷ samples/s (1 = the least). Growth stops paying "
-               f"near B ≈ {rec.noise_scale:,.0f}. Evidence, not the answer: <code>raysweep answer SPEC --batch N"
+               f"near B ≈ {in_samples(rec.noise_scale)}. Evidence, not the answer: <code>raysweep answer SPEC --batch N"
                f"</code> predicts a recipe for any batch, and <code>raysweep confirm SPEC --batch N</code> measures "
                f"it.</p><table><tr><th>global batch</th><th>samples/s</th><th>samples×</th><th>steps×</th>"
                f"<th>time×</th></tr>{cells}</table>")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from raysweep.metrics import FAILED, PRUNED, RunRecord, SweepRecord
 from raysweep.metrics import names as M
+from raysweep.noise import in_samples
 
 PLOTS = {  # file → what it shows (the HTML's captions)
     "metric_curves.png": "the ranking metric per epoch, one line per trial; × where ASHA pruned, ! where a trial "
@@ -219,7 +220,8 @@ def _noise_scale(plt, record: SweepRecord, advice, colors, label):
     ax_time.plot(xs, [c.time for c in advice.candidates], marker="o", label="time× (from samples/s)")
     ax_time.plot(xs, [c.samples / fewest for c in advice.candidates], linestyle="--",
                  label="samples× (vs the smallest)")
-    ax_time.axvline(advice.noise_scale, color="grey", linestyle=":", label=f"B_noise ≈ {advice.noise_scale:,.0f}")
+    ax_time.axvline(advice.noise_scale, color="grey", linestyle=":",
+                    label=f"B_noise ≈ {in_samples(advice.noise_scale)}")
     ax_time.set_xscale("log", base=2)
     _axes(ax_time, "global batch", "relative to the least (1), each batch's LR assumed tuned",
           f"predicted cost to the same loss ({advice.source})", legend=False, fontsize=9)

@@ -13,17 +13,21 @@ from typing import Any
 
 from raysweep.metrics import FAILED, RunRecord, SweepRecord, outcome_counts, rank
 from raysweep.metrics import names as M
+from raysweep.noise import in_samples
 
 MISSING = "-"  # a cell without a value, on the console and in report.html alike
 
 
+SAMPLES = "samples"  # fmt's spec for B_noise, in samples: noise.in_samples
+
+
 def fmt(value, spec: str = ".4g", signed: bool = False) -> str:
-    """A table cell: MISSING for a missing value, a float by `spec` (with its sign where `signed`: a delta),
-    anything else as its text."""
+    """A table cell: MISSING for a missing value, a float by `spec` (with its sign where `signed`: a delta; SAMPLES:
+    noise.in_samples), anything else as its text."""
     if value is None or value == "":
         return MISSING
     if isinstance(value, float):
-        return format(value, ("+" if signed else "") + spec)
+        return in_samples(value) if spec == SAMPLES else format(value, ("+" if signed else "") + spec)
     return str(value)
 
 
@@ -107,7 +111,7 @@ def columns(metric: str, target_label: str = "") -> tuple[Column, ...]:
         Column("samples/s", _last(M.samples_per_s), ",.0f", key=M.samples_per_s),
         Column("Δsamples/s", lambda row: row.delta_samples_per_s, ",.0f", signed=True,
                key=f"delta_{M.samples_per_s}"),
-        Column("b_noise", _last(M.grad_noise_scale), ",.0f", key=M.grad_noise_scale),
+        Column("b_noise", _last(M.grad_noise_scale), SAMPLES, key=M.grad_noise_scale),
         Column("train_s", _last(M.train_seconds), ".1f", key=M.train_seconds, title="train s"),
         Column(None, _param(M.resolved_epochs), key=M.resolved_epochs),
         Column(f"to {target_label} s", _last(M.time_to_target_s), ".1f", key=M.time_to_target_s, target_only=True,
