@@ -202,6 +202,10 @@ def test_a_predicted_batch_gets_a_recipe_whose_numbers_add_up():
     rates = {int(t.params["global_batch_size"]): t.last("samples_per_s") for t in record.trials}
     assert at.expected.seconds == pytest.approx(at.expected.samples / throughput_at(512, rates))
     assert any("past B_noise" in n for n in at.notes)
+    # the note's arithmetic is the LR's: 512 held at B_noise (it said "× (512/256)^α", a factor it did not apply)
+    assert at.notes[0].startswith(f"peak LR {r.peak_lr:.2e} = the answer's {base.recipe.peak_lr:.2e} × "
+                                  f"(500/{base.recipe.global_batch})^{exponent:.2f}, each batch held at B_noise ≈ "
+                                  f"500 at most, from "), at.notes[0]
     assert at.confirm_command == "python -m raysweep confirm spec.yaml --batch 512"
     with pytest.raises(UserError, match=r"--batch 513: .* a multiple of 2; the nearest are 512 and 514"):
         _predict(record, 513)

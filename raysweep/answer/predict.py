@@ -91,8 +91,11 @@ def _lr_at(base: Answer, batch: int) -> tuple[float, list[str]]:
                   f"{', '.join(map(str, check.batches))} out (mean |ln error| {errors})")
         if check.used != "fit" and fit.fitted:
             source += f"; the fit's B^{fit.exponent:.2f} did not beat it, so it is not used"
-    notes = [f"peak LR {lr:.2e} = the answer's {r.peak_lr:.2e} × ({batch}/{r.global_batch})^{exponent:.2f} from "
-             f"{source}"]
+    moved = f"({batch}/{r.global_batch})^{exponent:.2f}"
+    if fit.b_noise and max(batch, r.global_batch) > fit.b_noise:  # fit.scaled holds each batch at B_noise
+        moved = (f"({min(batch, fit.b_noise):.4g}/{min(r.global_batch, fit.b_noise):.4g})^{exponent:.2f}, each batch "
+                 f"held at B_noise ≈ {in_samples(fit.b_noise)} at most")
+    notes = [f"peak LR {lr:.2e} = the answer's {r.peak_lr:.2e} × {moved}, from {source}"]
     ceiling = ceiling_at(fit, batch, exponent)
     if ceiling is not None and lr > ceiling:
         notes.append(f"held at {ceiling:.2e}, a factor 2 below the LR a trial diverged at (moved to this batch); "
