@@ -104,6 +104,39 @@ def test_probe_step_leaves_the_training_state_as_it_found_it_and_catches_oom():
         faults.FAULTS = real
 
 
+_PROBE_AFTER_A_LARGER_STEP = """
+import torch
+from raysweep.config import ModelConfig
+from raysweep.worker.device import setup_device
+from raysweep.worker.net import RankModel
+from raysweep.worker.probe_step import probe_step
+from test_gpu import _trial
+torch.set_num_threads(1)
+setup_device(torch.device("cpu"))  # as a CPU worker: glibc keeps freed tensors in its heap (keep_host_memory)
+trial = _trial(batch=32, size=(60, 160))
+net = RankModel.build(trial, torch.device("cpu"))
+print(*(probe_step(net, trial, b).peak_rss_gb for b in (32, 128, 32)))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_cpu_probe_step_reads_its_own_peak_not_what_a_larger_step_left_in_the_heap():
+    """On a CPU worker the heap keeps what a step freed (device.keep_host_memory), so every probe step after a larger
+    one read the larger one's resident memory as its own (at 129-192 after 256: all 'OOM' under --max-memory-gb,
+    and the bisection found nothing). A fresh process, as a worker: 32, then 128, then 32 again."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", _PROBE_AFTER_A_LARGER_STEP], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT / "tests")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, large, again = map(float, proc.stdout.split())
+    assert large > first + 0.3, (first, large)  # 128's step holds more than 32's: the test can tell them apart
+    assert again < first + 0.5 * (large - first), (first, large, again)
+
+
 def test_divergence_watch_raises_on_cpu_at_once():
     watch = DivergenceWatch(torch.device("cpu"))
     watch.check(~torch.isfinite(torch.tensor(3.0)), 1, 1)

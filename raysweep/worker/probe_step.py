@@ -14,7 +14,7 @@ from torch import nn
 
 from raysweep.config import TrialConfig
 from raysweep.worker import faults
-from raysweep.worker.device import GiB, autocast, device_memory
+from raysweep.worker.device import GiB, autocast, device_memory, release_host_memory
 from raysweep.worker.net import RankModel
 from raysweep.worker.reduce import all_reduce_named
 from raysweep.worker.shard import model_input
@@ -53,6 +53,8 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    else:  # a CPU worker's heap keeps what an earlier, larger step freed (device.keep_host_memory): its resident
+        release_host_memory()  # memory would read as this step's, and the probe's bisection as all OOM
     rss = RssSampler() if not cuda else None
 
     def step() -> None:
