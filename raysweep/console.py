@@ -133,9 +133,10 @@ class ConsoleProgress:
         if (view.status == FINISHED and 0 < view.epoch * t.steps_per_epoch <= t.warmup_steps
                 and view.value(M.time_to_target_s) is None):
             # only a time budget ends a trial this early (config.SweepConfig.trial_problem refuses the rest)
-            print(f"[{now()}] warning {view.trial_id}: it ended at epoch {view.epoch}, inside its warmup of "
-                  f"{t.knobs.warmup_epochs:g} epochs (train.time_budget_s fit no more): its LR never reached peak_lr "
-                  f"{t.peak_lr:.2e}; lower warmup_epochs or raise train.time_budget_s", flush=True)
+            warmup = f"{t.knobs.warmup_epochs:g} epoch{'' if t.knobs.warmup_epochs == 1 else 's'}"
+            print(f"[{now()}] warning {view.trial_id}: it ended at epoch {view.epoch}, inside its warmup of {warmup} "
+                  f"(train.time_budget_s fit no more): its LR never reached peak_lr {t.peak_lr:.2e}; lower "
+                  f"warmup_epochs or raise train.time_budget_s", flush=True)
 
     def step(self, views) -> None:
         if self.per_epoch or time.monotonic() - self.last_table < self.every_s:

@@ -244,6 +244,7 @@ def test_the_report_writes_answer_json_and_shows_the_answer_first(tmp_path, caps
     page = (tmp_path / "report" / "report.html").read_text()
     assert page.index("id='answer'") < page.index('id="summary"')  # the answer first, the trials after it
     assert "Fastest" not in page and "fastest" not in page  # the batch table is evidence, not a second answer
+    assert built.answer.recipe.warmup_epochs == 1 and "<b>1</b> epoch<" in page  # it said "1 epochs"
     console.print_report(built)
     answer_console.print_answer(built.answer)
     out = capsys.readouterr().out

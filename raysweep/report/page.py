@@ -96,7 +96,8 @@ def _answer(report, run_url: str) -> str:
                              f"{r.grad_accum_steps} accumulation"),
             ("peak LR", f"<b>{r.peak_lr:.3e}</b> (base_lr {r.base_lr:.3e} at reference batch {r.reference_batch_size}, "
                         f"{html.escape(r.lr_rule)} rule)"),
-            ("warmup", f"<b>{r.warmup_epochs:g}</b> epochs"), ("weight decay", f"<b>{r.weight_decay:.3e}</b> (AdamW)"),
+            ("warmup", f"<b>{r.warmup_epochs:g}</b> epoch{'' if r.warmup_epochs == 1 else 's'}"),
+            ("weight decay", f"<b>{r.weight_decay:.3e}</b> (AdamW)"),
             ("schedule", html.escape(r.schedule)), ("precision, clip", f"{html.escape(r.precision)}, {r.grad_clip}")]
     expects = f"{html.escape(e.metric)} {fmt(e.value)}" if e.value is not None else ""
     if e.time_to_target_s is not None:
