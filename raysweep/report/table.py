@@ -16,8 +16,6 @@ from raysweep.metrics import names as M
 from raysweep.noise import in_samples
 
 MISSING = "-"  # a cell without a value, on the console and in report.html alike
-
-
 SAMPLES = "samples"  # fmt's spec for B_noise, in samples: noise.in_samples
 
 
