@@ -9,7 +9,7 @@ its own local Ray), and writes what the pages show:
                                      trials) and the sweep's report.html, in the headless Chromium the tests drive
                                      (Debian's chromium and chromium-driver, selenium from `.[test]`)
 
-    python docs/make_assets.py          # 5 min on a 2-core x86 VM with AVX2 only (the quickstart 208 s and 217 s; 2026-11-29)
+    python docs/make_assets.py   # 5 min on a 2-core x86 VM with AVX2 only (the quickstart 208-217 s; 2026-11-29)
 
 The folder the sweep ran in is written as `.` in the text files, so they read as a run in the repository would.
 """
