@@ -140,7 +140,7 @@ def size_lazy(module: nn.Module, image: ImageSpec) -> None:
     if not any(is_lazy(t) for t in (*module.parameters(), *module.buffers())):
         return
     modes = [(m, m.training) for m in module.modules()]
-    stored = (CHECK_IMAGES, image.height, image.width) + ((image.channels,) if image.channels > 1 else ())
+    stored = _stored(image)
     x = model_input(torch.zeros(stored, dtype=torch.uint8), wants_channels_last(module))
     try:
         module.eval()
@@ -149,6 +149,11 @@ def size_lazy(module: nn.Module, image: ImageSpec) -> None:
     finally:
         for m, training in modes:
             m.training = training
+
+
+def _stored(image: ImageSpec) -> tuple[int, ...]:
+    """CHECK_IMAGES images as the data path stores them: uint8 (N, H, W), or (N, H, W, C) for colour."""
+    return (CHECK_IMAGES, image.height, image.width) + ((image.channels,) if image.channels > 1 else ())
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -199,7 +204,7 @@ def check(model: ModelConfig, image: ImageSpec, search: Sequence[Path] = ()) -> 
     if not trainable:
         raise UserError(f"{key}: the model has no trainable parameters (none with requires_grad): there is nothing "
                         f"to train")
-    stored = (CHECK_IMAGES, image.height, image.width) + ((image.channels,) if image.channels > 1 else ())
+    stored = _stored(image)
     x = model_input(torch.randint(0, 256, stored, dtype=torch.uint8), wants_channels_last(module))  # as the loop does
     module.train()
     out = forward(lambda: module(x))
