@@ -8,12 +8,15 @@ worker and this driver left out) and prints them by process, as a share of the 2
 - `ray`: Train V2's trainer with its PlacementGroupCleaner (it asks the State API every 1 s whether the controller
   lives: ray/train/v2/_internal/execution/controller/placement_group_cleaner.py) and without its DatasetManager, as
   raysweep's was before it dropped the cleaner;
-- `raysweep`: raysweep's trainer class (trainer._trainer_class), which starts no cleaner and no DatasetManager.
+- `raysweep`: raysweep's trainer class (trainer._trainer_class), which starts no cleaner and no DatasetManager;
+- `pool`: the same on a cluster with Ray's worker pool as Ray sets it (one idle worker prestarted and kept per
+  CPU), without raysweep's `cluster.WORKER_POOL`.
 Also, once: the threads of one idle actor (Ray's core worker wakes its main thread every 10 ms to check for signals:
 `RunTaskExecutionLoop`, src/ray/core_worker/core_worker.cc), the floor every Ray process of a trial pays.
-Last line: RESULT ray_idle_background ratio=<raysweep's ÷ Ray's, the median background share>.
+Last lines: RESULT ray_idle_background ratio=<raysweep's ÷ Ray's, the median background share>, RESULT
+ray_idle_pool ratio=<raysweep's ÷ the same with Ray's worker pool>.
 
-    python benchmarks/ray_idle.py            # 60 s windows after 25 s, 2 repeats (~7 min)
+    python benchmarks/ray_idle.py            # 60 s windows after 25 s, 2 repeats (~10 min)
     python benchmarks/ray_idle.py --quick    # 5 s windows after 15 s, 1 repeat: the code path
 
 Figures in benchmarks/RESULTS.md (A trial's idle Ray processes).
@@ -82,8 +85,11 @@ def one_case(case: str, settle: float, seconds: float) -> dict:
     from raysweep.cluster import ray_init_kwargs
     from raysweep.trainer import _trainer_class
 
-    ray.init(num_cpus=2, **ray_init_kwargs())
-    trainer_class = _trainer_class() if case == "raysweep" else _with_cleaner()
+    kwargs = ray_init_kwargs()
+    if case == "pool":
+        kwargs.pop("_system_config")  # Ray's own worker pool
+    ray.init(num_cpus=2, **kwargs)
+    trainer_class = _with_cleaner() if case == "ray" else _trainer_class()
     window: dict = {}
 
     def measure():
@@ -150,7 +156,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float)
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--repeats", type=int)
-    parser.add_argument("--case", choices=("ray", "raysweep", "actor"), help=argparse.SUPPRESS)  # the child's
+    parser.add_argument("--case", choices=("ray", "raysweep", "pool", "actor"), help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
     settle = args.settle or (15.0 if args.quick else 25.0)
     seconds = args.seconds or (5.0 if args.quick else 60.0)
@@ -169,11 +175,12 @@ def main() -> None:
             sys.exit(f"ray_idle: the {case} case failed: {done.stderr.strip()[-2000:]}")
         return json.loads(line.removeprefix("CASE "))
 
-    runs: dict[str, list[dict]] = {"ray": [], "raysweep": []}
+    runs: dict[str, list[dict]] = {"ray": [], "raysweep": [], "pool": []}
     for _ in range(args.repeats or (1 if args.quick else 2)):
         for case in runs:
             runs[case].append(child(case))
-    names = {"ray": "with Train V2's cleaner", "raysweep": "raysweep's trainer (no cleaner)"}
+    names = {"ray": "with Train V2's cleaner", "raysweep": "raysweep's trainer (no cleaner)",
+             "pool": "the same, Ray's worker pool"}
     print(f"a trial's Ray processes beside one sleeping worker: % of the 2 cores over {seconds:.0f} s windows, "
           f"{settle:.0f} s after the start")
     for case, results in runs.items():
@@ -184,9 +191,9 @@ def main() -> None:
               f"{shares}); the last run's largest: {top}")
     actor = child("actor")
     print("one idle actor's threads, CPU s per s: " + ", ".join(f"{name} {cpu:.4f}" for name, cpu in actor[:4]))
-    ratio = (statistics.median(r["share"] for r in runs["raysweep"])
-             / max(statistics.median(r["share"] for r in runs["ray"]), 1e-9))
-    print(f"RESULT ray_idle_background ratio={ratio:.3f}")
+    share = {case: statistics.median(r["share"] for r in results) for case, results in runs.items()}
+    print(f"RESULT ray_idle_background ratio={share['raysweep'] / max(share['ray'], 1e-9):.3f}")
+    print(f"RESULT ray_idle_pool ratio={share['raysweep'] / max(share['pool'], 1e-9):.3f}")
 
 
 if __name__ == "__main__":

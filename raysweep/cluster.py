@@ -66,11 +66,19 @@ def pin_ray_address() -> None:
 # (RESULTS.md, "Ray's daemons"); a worker's first lines reach a verbose driver up to 5 s later.
 LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
 
+# Ray's worker pool (src/ray/common/ray_config_def.h): the raylet prestarts one Python worker per CPU for the first
+# driver (--num_prestart_python_workers in ray/_private/services.py) and keeps up to one idle worker per CPU, each
+# waking every 10 ms doing nothing (0.85 % of the 2 cores each here: RESULTS.md, "Ray's idle pool"). raysweep's
+# trials run in actors, which get processes of their own; its few tasks start a worker when they need one, which
+# Ray ends after 1 s idle (idle_worker_killing_time_threshold_ms).
+WORKER_POOL = {"enable_worker_prestart": False, "prestart_worker_first_driver": False, "num_workers_soft_limit": 0}
+
 
 def ray_init_kwargs(worker_start_timeout_s: float = 60, verbose: bool = False) -> dict:
     """`ray.init` keywords for a local cluster, always a new one (a bare ray.init() joins the cluster
     recorded_address() names, with keywords Ray refuses there); tests and benchmarks start theirs with these too.
-    The daemons that ray.init starts read this process's environment: LOG_MONITOR_ENV is put there, where unset."""
+    The daemons that ray.init starts read this process's environment: LOG_MONITOR_ENV is put there, where unset;
+    the raylet keeps no idle pooled worker (WORKER_POOL)."""
     for key, value in LOG_MONITOR_ENV.items():
         os.environ.setdefault(key, value)
     return dict(
@@ -80,6 +88,7 @@ def ray_init_kwargs(worker_start_timeout_s: float = 60, verbose: bool = False) -
                      "worker_process_setup_hook": "raysweep.cluster.pin_ray_address"},
         log_to_driver=verbose,
         logging_level=logging.INFO if verbose else logging.WARNING,
+        _system_config=dict(WORKER_POOL),
     )
 
 
@@ -156,6 +165,7 @@ def connect(address: str | None, worker_start_timeout_s: float, verbose: bool) -
     kwargs = ray_init_kwargs(worker_start_timeout_s, verbose)
     if address:
         kwargs.pop("resources")  # a running cluster's resources were set by `ray start` (cluster.yaml)
+        kwargs.pop("_system_config")  # its raylets' too: Ray refuses one when joining (ray/_private/worker.py)
         kwargs["address"] = address
         try:
             ray.init(**kwargs)

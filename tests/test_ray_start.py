@@ -4,10 +4,15 @@ Ray's own start waits a fixed 30 s for a new node's raylet to register with its 
 ray/_private/node.py), then raises a bare Exception; it missed that wait twice on this project's busy CI machines,
 and the user saw Ray's traceback. Here the raylet really is late: Ray starts it through `valgrind` where
 RAY_RAYLET_VALGRIND=1 (start_ray_process in ray/_private/services.py), and the `valgrind` first on this test's PATH
-waits instead of starting it."""
+waits instead of starting it.
+
+A local cluster raysweep starts keeps no idle pooled worker: Ray prestarts one per CPU for the first driver and keeps
+as many idle, each waking every 10 ms (benchmarks/RESULTS.md), while raysweep's trials run in actors of their own.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -59,3 +64,49 @@ def test_a_local_ray_whose_raylet_never_registers_ends_the_command_in_one_line_w
         experiments = [e.experiment_id for e in client.search_experiments()]
         assert not client.search_runs(experiments), "a run was opened before Ray started"
     assert not list((tmp_path / "results").glob("**/*.pkl")), "Tune wrote an experiment"
+
+
+IDLE_WORKERS = r"""
+import json, sys, time
+import psutil, ray
+from raysweep.cluster import ray_init_kwargs
+
+def idle():  # Ray's pooled workers waiting for a task, under this driver (its local cluster's raylet)
+    return sum(1 for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["ray::IDLE"])
+
+ray.init(num_cpus=4, **ray_init_kwargs())
+counts = {"started": idle()}
+time.sleep(3.0)
+counts["after_3s"] = idle()
+task = ray.remote(num_cpus=0)(lambda: 1)
+counts["task"] = ray.get(task.remote(), timeout=60)
+deadline = time.monotonic() + 10  # Ray ends an idle worker above its soft limit after 1 s (its 200 ms sweep)
+while idle() and time.monotonic() < deadline:
+    time.sleep(0.2)
+counts["after_the_task"] = idle()
+counts["again"] = ray.get(task.remote(), timeout=60)  # a task still finds a worker: one starts for it
+print("COUNTS " + json.dumps(counts), flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_local_cluster_keeps_no_idle_pooled_workers_and_still_runs_tasks(tmp_path):
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rsidle-", dir="/tmp"))  # a Ray temp folder of its own, as above
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen([sys.executable, "-c", IDLE_WORKERS], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = driver.communicate(timeout=150)
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    line = next((ln for ln in out.splitlines() if ln.startswith("COUNTS ")), None)
+    assert driver.returncode == 0 and line, out[-2000:] + err[-3000:]
+    counts = json.loads(line[len("COUNTS "):])
+    # Ray's defaults: 2 prestarted here (one per CPU, started 2 at a time), then 3 kept after a task
+    assert counts == {"started": 0, "after_3s": 0, "task": 1, "after_the_task": 0, "again": 1}, counts
