@@ -72,7 +72,13 @@ import psutil, ray
 from raysweep.cluster import ray_init_kwargs
 
 def idle():  # Ray's pooled workers waiting for a task, under this driver (its local cluster's raylet)
-    return sum(1 for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["ray::IDLE"])
+    count = 0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            count += p.cmdline()[:1] == ["ray::IDLE"]
+        except psutil.Error:  # gone, or a zombie its raylet has not reaped yet: an ended worker
+            pass
+    return count
 
 ray.init(num_cpus=4, **ray_init_kwargs())
 counts = {"started": idle()}
