@@ -313,8 +313,14 @@ def test_the_log_monitor_of_a_local_cluster_raysweep_starts_runs_with_its_settin
 
     from raysweep.cluster import LOG_MONITOR_ENV
 
-    monitors = [p for p in psutil.Process().children(recursive=True)
-                if any("log_monitor.py" in part for part in p.cmdline())]
-    assert len(monitors) == 1, [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    def command(p) -> list[str]:
+        try:
+            return p.cmdline()
+        except psutil.Error:  # a worker Ray just ended (cluster.WORKER_POOL), a zombie until its raylet reaps it
+            return []
+
+    children = psutil.Process().children(recursive=True)
+    monitors = [p for p in children if any("log_monitor.py" in part for part in command(p))]
+    assert len(monitors) == 1, [command(p) for p in children]
     environ = monitors[0].environ()
     assert {k: environ.get(k) for k in LOG_MONITOR_ENV} == LOG_MONITOR_ENV
