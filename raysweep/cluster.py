@@ -68,7 +68,7 @@ LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE
 
 # Ray's worker pool (src/ray/common/ray_config_def.h): the raylet prestarts one Python worker per CPU for the first
 # driver (--num_prestart_python_workers in ray/_private/services.py) and keeps up to one idle worker per CPU, each
-# waking every 10 ms doing nothing (0.85 % of the 2 cores each here: RESULTS.md, "Ray's idle pool"). raysweep's
+# waking every 10 ms doing nothing (0.85 % of the 2 cores each here: RESULTS.md, "Ray's idle worker pool"). raysweep's
 # trials run in actors, which get processes of their own; its few tasks start a worker when they need one, which
 # Ray ends after 1 s idle (idle_worker_killing_time_threshold_ms).
 WORKER_POOL = {"enable_worker_prestart": False, "prestart_worker_first_driver": False, "num_workers_soft_limit": 0}

@@ -67,7 +67,7 @@ def test_a_local_ray_whose_raylet_never_registers_ends_the_command_in_one_line_w
 
 
 IDLE_WORKERS = r"""
-import json, sys, time
+import json, time
 import psutil, ray
 from raysweep.cluster import ray_init_kwargs
 
@@ -114,5 +114,5 @@ def test_a_local_cluster_keeps_no_idle_pooled_workers_and_still_runs_tasks(tmp_p
     line = next((ln for ln in out.splitlines() if ln.startswith("COUNTS ")), None)
     assert driver.returncode == 0 and line, out[-2000:] + err[-3000:]
     counts = json.loads(line[len("COUNTS "):])
-    # Ray's defaults: 2 prestarted here (one per CPU, started 2 at a time), then 3 kept after a task
+    # with Ray's defaults this read 2, 2 and 3 here: prestarted workers, then one more kept after the task
     assert counts == {"started": 0, "after_3s": 0, "task": 1, "after_the_task": 0, "again": 1}, counts
