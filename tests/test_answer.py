@@ -320,3 +320,23 @@ def test_a_fit_whose_leave_one_out_refits_find_no_minimum_says_it_was_not_checke
     # a fit that was checked names no batch
     checked = _answer(_sweep(exponent=0.5, n=40)).lr_fit
     assert "fit" in checked.check.errors and checked.check.unfitted == () and "not checked" not in used_words(checked)
+
+
+def test_a_batch_that_is_not_positive_or_larger_than_the_training_set_is_refused_in_one_line_before_a_recipe():
+    """`answer --batch 0` said "the nearest are 2 and 2" (0 is a multiple of 2), -4 "2 and -2"; a batch larger than
+    the training set got a whole recipe, weight decay and expected time included, for a run that cannot take one step
+    (and `confirm --batch` then refused it naming search.per_gpu_batch_size, a key the user never set)."""
+    from raysweep.errors import UserError
+
+    record = _sweep(n=40)
+    own = _answer(record).recipe.global_batch
+    for batch in (0, -4):
+        with pytest.raises(UserError, match=rf"^--batch {batch}: expected a positive global batch \(per-GPU batch × "
+                                            rf"2 workers × 1 accumulation steps\), such as the answer's {own}$"):
+            _predict(record, batch)
+    # 4096 images over 2 workers: 2048 a rank, so 4096 is the largest global batch with a whole step an epoch
+    assert _predict(record, TRAIN_SIZE).recipe.global_batch == TRAIN_SIZE
+    with pytest.raises(UserError, match=r"^--batch 4098: more than the training set holds for one step \(4,096 "
+                                        r"images over 2 workers: 2,048 each\); the largest global batch this data "
+                                        r"runs is 4,096: ask for that or less, or train on more images$"):
+        _predict(record, TRAIN_SIZE + 2)

@@ -41,11 +41,19 @@ def predict(record: SweepRecord, batch: int, spec_file: str | None, advice) -> A
                         f"pruned); run `tune` first")
     spec, r = spec_of(record), base.recipe
     step = r.num_workers * r.grad_accum_steps
-    if batch <= 0 or batch % step:
+    made_of = f"per-GPU batch × {r.num_workers} workers × {r.grad_accum_steps} accumulation steps"
+    if batch <= 0:
+        raise UserError(f"--batch {batch}: expected a positive global batch ({made_of}), such as the answer's "
+                        f"{r.global_batch}")
+    if batch % step:
         below, above = max(step, batch // step * step), (batch // step + 1) * step
-        raise UserError(f"--batch {batch}: a global batch is per-GPU batch × {r.num_workers} workers × "
-                        f"{r.grad_accum_steps} accumulation steps, a multiple of {step}; the nearest are {below} and "
-                        f"{above}")
+        raise UserError(f"--batch {batch}: a global batch is {made_of}, a multiple of {step}; the nearest are {below} "
+                        f"and {above}")
+    share = r.train_size // r.num_workers if r.train_size else None
+    if share is not None and batch // r.num_workers > share:  # TrialConfig.check_data_fits's rule, for one batch
+        raise UserError(f"--batch {batch}: more than the training set holds for one step ({r.train_size:,} images "
+                        f"over {r.num_workers} workers: {share:,} each); the largest global batch this data runs is "
+                        f"{share // r.grad_accum_steps * step:,}: ask for that or less, or train on more images")
     if batch == r.global_batch:
         return dataclasses.replace(base, confirm_command=confirm_command(spec_file, batch), notes=(
             *base.notes, f"global batch {batch} is the answer's own: this is the answer"))
