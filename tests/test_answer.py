@@ -340,3 +340,28 @@ def test_a_batch_that_is_not_positive_or_larger_than_the_training_set_is_refused
                                         r"images over 2 workers: 2,048 each\); the largest global batch this data "
                                         r"runs is 4,096: ask for that or less, or train on more images$"):
         _predict(record, TRAIN_SIZE + 2)
+
+
+def test_the_commands_an_answer_prints_name_the_store_with_the_flag_answer_confirm_and_report_take(tmp_path):
+    """`answer SPEC --tracking-uri X` from another folder printed `confirm SPEC --set mlflow.tracking_uri=X`: it
+    worked, but not as the flag the user had typed, which confirm and report take too."""
+    from raysweep.answer.recipe import confirm_command
+    from raysweep.cli import build_parser, main
+    from raysweep.config import load_config
+
+    from conftest import tiny_spec, write_spec
+
+    path = write_spec(tmp_path, tiny_spec(tmp_path, mlflow={"tracking_uri": None}))
+    store = f"sqlite:///{tmp_path / 'elsewhere' / 'my store.db'}"
+    config = load_config(path, ["train.epochs=2", f"mlflow.tracking_uri={store}"])
+    assert config.command_args == f"{path} --set train.epochs=2 --tracking-uri '{store}'"
+    printed = confirm_command(config.command_args, 64)
+    assert printed == f"python -m raysweep confirm {path} --set train.epochs=2 --tracking-uri '{store}' --batch 64"
+    # the printed command is one each command parses back to the same store
+    import shlex
+
+    for command, words in (("confirm", printed.split(" confirm ", 1)[1]), ("answer", printed.split(" confirm ", 1)[1]),
+                           ("report", config.command_args)):  # report: `raysweep report <command_args>`
+        args = build_parser().parse_args([command, *shlex.split(words)])
+        assert args.tracking_uri == store and args.overrides == ["train.epochs=2"]
+    assert main(["answer", *shlex.split(config.command_args)]) == 2  # no store there yet: one line, before Ray

@@ -63,13 +63,25 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
         raise UserError(_describe(e, str(path), overridden)) from None
     config._source = str(path) + "".join(f" (--set {item})" for item in overrides)
     config._spec_dir = str(path.resolve().parent)
-    config._args = " ".join(shlex.quote(word) for word in (str(path), *(w for item in overrides
-                                                                          for w in ("--set", item))))
+    config._args = _command_args(str(path), overrides)
     _check_paths(config, str(path))
     problem = config.sweep_problem() if sweep else config.trial_problem(searched=False) if trial else None
     if problem:
         raise UserError(f"{_source(str(path), problem.split(':', 1)[0], overridden)}: {problem}")
     return config
+
+
+STORE_KEY = "mlflow.tracking_uri"
+
+
+def _command_args(path: str, overrides: list[str]) -> str:
+    """The spec and its overrides as the commands an answer prints take them (confirm, answer, report): the store as
+    their --tracking-uri (last: the flag overrides the spec and every --set), the rest as --set."""
+    stores = [item for item in overrides if item.split("=", 1)[0].strip() == STORE_KEY]
+    words = [path, *(w for item in overrides if item not in stores for w in ("--set", item))]
+    if stores:
+        words += ["--tracking-uri", stores[-1].split("=", 1)[1]]
+    return " ".join(shlex.quote(word) for word in words)
 
 
 def _apply_override(raw: dict, item: str) -> tuple[str, Any]:
