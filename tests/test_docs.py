@@ -266,3 +266,22 @@ def test_quickstart_runnable_blocks_run(tmp_path):
             code = "nothing: it ran past its deadline"
         assert code == 0, (f"runnable block {n} of docs/quickstart.md exited {code}:\n{block}\n--- the end of its "
                            f"output:\n{log.read_text()[-4000:]}")
+
+
+def test_the_tutorials_schedule_is_raysweeps_lr_at_step_for_step():
+    """docs/first-sweep.md's training script says its lr_at is raysweep's (optim.lr_at): the same LR at every step,
+    past the end and for a peak below min_lr too (the page's cosine ran to min_lr, upwards from such a peak)."""
+    import math
+
+    from raysweep.optim import lr_at
+
+    text = (DOCS / "first-sweep.md").read_text()
+    start = text.index("def lr_at(step):")
+    source = text[start:text.index("\n\n", start)]
+    for peak, floor, warmup, total in ((1e-3, 1e-6, 10, 100), (4e-3, 1e-6, 0, 37), (5e-7, 1e-6, 3, 20),
+                                       (2e-3, 1e-4, 5, 5)):
+        scope = {"math": math, "a": {"peak_lr": peak, "min_lr": floor}, "warmup": warmup, "total": total}
+        exec(source, scope)
+        for step in range(total + 5):
+            assert scope["lr_at"](step) == pytest.approx(lr_at(step, peak, floor, warmup, total), rel=1e-12), \
+                (peak, floor, warmup, total, step)
