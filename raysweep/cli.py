@@ -9,6 +9,8 @@ import sys
 
 from raysweep.errors import RayNotStarted, SweepFailed, UserError
 
+log = logging.getLogger(__name__)
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="sweep spec (YAML), e.g. search_spaces/quickstart.yaml")
@@ -130,8 +132,10 @@ def cmd_tune(args) -> int:
         raise UserError(f"--fail-above {args.fail_above:g}: it judges the confirmation; add --confirm")
     if args.cap_batch is not None and args.cap_batch < 1:
         raise UserError(f"--cap-batch {args.cap_batch}: expected a positive per-GPU batch size")
+    args.resumable = config  # a Ctrl-C or a failure from here on: `main` names the command that resumes it
     code = sweep.run(config, address=args.address, resume=args.resume, verbose=args.verbose,
                      progress_every_s=args.progress_every, cap_batch=args.cap_batch)
+    args.resumable = None  # the sweep ended: --confirm's runs are new ones, with nothing to resume
     if args.confirm and code == 0:
         from raysweep import confirm
 
@@ -258,9 +262,25 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SweepFailed, RayNotStarted) as e:  # SweepFailed: what ran the sweep failed (its
         # broker lost); RayNotStarted: the local Ray did not come up, before anything of the sweep (nothing to resume)
         failed = not isinstance(e, KeyboardInterrupt)
-        resume = "" if isinstance(e, RayNotStarted) else " (resume with: python -m raysweep tune SPEC --resume)"
-        print(f"raysweep: {f'failed: {e}' if failed else 'interrupted'}{resume}", file=sys.stderr)
+        print(f"raysweep: {f'failed: {e}' if failed else 'interrupted'}{_resume_line(args, e)}", file=sys.stderr)
         return 1 if failed else 130
+
+
+def _resume_line(args, e: BaseException) -> str:
+    """' (resume with: ...)' for a `tune` sweep that Tune saved (not its --confirm, not `train`, `confirm` or `probe`,
+    which resume nothing: run them again), else ''."""
+    config = getattr(args, "resumable", None)
+    if config is None or isinstance(e, RayNotStarted):
+        return ""
+    from raysweep.resume import resume_hint
+    from raysweep.sweep import Where
+
+    try:
+        command = resume_hint(Where.of(config, single=False).experiment_path, args.spec, args.overrides)
+    except Exception as looked:  # what ended the sweep is the line's news; never a traceback over it
+        log.warning("could not look for the sweep to resume: %s", looked)
+        return ""
+    return f" (resume with: {command})" if command else ""
 
 
 if __name__ == "__main__":

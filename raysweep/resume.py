@@ -52,6 +52,21 @@ def check_resume(config, tracking_uri: str, experiment_path: str, name: str) -> 
     return parent.info.run_id
 
 
+def resume_hint(experiment_path: str, spec: str, overrides: list[str]) -> str:
+    """The command that resumes an interrupted or failed `tune` (given on the command line as `spec` and its --set
+    `overrides`), where Tune saved the sweep at `experiment_path`; '' where it saved none (stopped before its first
+    trial: nothing to resume, the command starts it anew)."""
+    import shlex
+
+    from ray.tune import Tuner
+
+    path = experiment_path
+    if not (storage.is_dir(path) and Tuner.can_restore(path)):
+        return ""
+    words = [spec, *(w for item in overrides for w in ("--set", item)), "--resume"]
+    return f"python -m raysweep tune {' '.join(shlex.quote(w) for w in words)}"
+
+
 def spec_changes(before: dict, after: dict) -> list[str]:
     """'key: old → new' for every key both specs hold whose value differs, but the ones a resume may change."""
     def flat(d, prefix=""):

@@ -475,7 +475,7 @@ def test_driver_ctrl_c_and_sigkill_then_resume_finish_every_trial(ray_cluster, t
         if driver.poll() is None:
             _kill_tree(driver, signal.SIGKILL)
     out = (tmp_path / "run1.log").read_text()
-    assert "raysweep: interrupted (resume with: python -m raysweep tune SPEC --resume)" in out, out[-3000:]
+    assert f"raysweep: interrupted (resume with: python -m raysweep tune {path} --resume)" in out, out[-3000:]
     assert all(r.info.status != "RUNNING" for r in _children(tmp_path))
 
     # 2. resume, then SIGKILL while a trial runs past its first checkpoint

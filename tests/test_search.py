@@ -353,6 +353,9 @@ def test_a_tpe_sweep_tells_optuna_what_asha_did_and_its_resume_continues_the_sam
     finally:
         if driver.poll() is None:
             _kill_tree(driver, signal.SIGKILL)
+    # the command that resumes it, as typed (it said `tune SPEC --resume`)
+    last = (tmp_path / "run1.log").read_text().strip().splitlines()[-1]
+    assert last == f"raysweep: interrupted (resume with: python -m raysweep tune {path} --resume)", last
     before = restored(str(experiment))
     told = {n: t for n, t in enumerate(before.study.trials) if t.state != TrialState.RUNNING}
     assert len(told) >= 2, before.study.trials

@@ -40,7 +40,11 @@ def test_quickstart_sized_sweep_end_to_end(ray_cluster, tmp_path, capsys):
     assert "plan: 2 CPU, 2 workers/trial → 1 trial at a time; ASHA prunes sequentially" in out
     assert "top trials by val_loss (min); Δ against the baseline" in out and "mlflow ui --backend-store-uri" in out
 
-    # Tune's own record of the sweep
+    # Tune's own record of the sweep, one that `tune --resume` can restore (the line an interrupted one ends with)
+    from raysweep.resume import resume_hint
+
+    assert resume_hint(str(tmp_path / "results" / "t"), str(path), ["tune.seed=3"]) == \
+        f"python -m raysweep tune {path} --set tune.seed=3 --resume"
     analysis = ExperimentAnalysis(str(tmp_path / "results" / "t"))
     trials = {t.trial_id: t for t in analysis.trials}
     assert len(trials) == 6 and all(t.status == "TERMINATED" for t in trials.values())
@@ -364,3 +368,28 @@ def test_large_batch_spec_is_the_users_sweep():
     assert config.tune.target.metric == "val_exact_acc" and config.tune.target.stop
     assert (config.train.epochs, config.data.synthetic.train_size, config.data.synthetic.val_size) \
         == (500, 50_000, 5_000)
+
+
+def test_only_a_tune_sweep_that_tune_saved_is_named_for_resume_when_it_is_interrupted_or_fails(tmp_path):
+    """A Ctrl-C or a failed sweep's line said `resume with: python -m raysweep tune SPEC --resume` after any command:
+    `confirm`, `train` and `probe` (which resume nothing), `tune --confirm` in its confirmation, a `tune` stopped
+    before Tune saved anything. Now: only where the sweep can be restored, as the user typed it (test_search.py's
+    Ctrl-C of a real driver checks that line)."""
+    import argparse
+
+    from raysweep.cli import _resume_line
+    from raysweep.errors import BrokerLost, RayNotStarted
+
+    path = write_spec(tmp_path, tiny_spec(tmp_path))
+    config = load_config(path)
+    tune = argparse.Namespace(command="tune", spec=str(path), overrides=[], resumable=config)
+    assert not (tmp_path / "results" / "t").exists()  # interrupted before its first trial: Tune saved nothing
+    for e in (KeyboardInterrupt(), BrokerLost.of("gone"), RayNotStarted("no raylet")):
+        assert _resume_line(tune, e) == ""
+    (tmp_path / "results" / "t").mkdir(parents=True)  # a folder that is no Tune experiment (a probe's output)
+    assert _resume_line(tune, KeyboardInterrupt()) == ""
+    for command in ("train", "confirm", "probe"):  # their args never carry a sweep to resume
+        other = argparse.Namespace(command=command, spec=str(path), overrides=[])
+        assert _resume_line(other, KeyboardInterrupt()) == ""
+    tune.resumable = None  # `tune --confirm` once the sweep ended: its confirmation's runs are new
+    assert _resume_line(tune, KeyboardInterrupt()) == ""
