@@ -60,8 +60,7 @@ def resume_hint(experiment_path: str, spec: str, overrides: list[str]) -> str:
 
     from ray.tune import Tuner
 
-    path = experiment_path
-    if not (storage.is_dir(path) and Tuner.can_restore(path)):
+    if not (storage.is_dir(experiment_path) and Tuner.can_restore(experiment_path)):
         return ""
     words = [spec, *(w for item in overrides for w in ("--set", item)), "--resume"]
     return f"python -m raysweep tune {' '.join(shlex.quote(w) for w in words)}"
