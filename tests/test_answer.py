@@ -345,6 +345,8 @@ def test_a_batch_that_is_not_positive_or_larger_than_the_training_set_is_refused
 def test_the_commands_an_answer_prints_name_the_store_with_the_flag_answer_confirm_and_report_take(tmp_path):
     """`answer SPEC --tracking-uri X` from another folder printed `confirm SPEC --set mlflow.tracking_uri=X`: it
     worked, but not as the flag the user had typed, which confirm and report take too."""
+    import shlex
+
     from raysweep.answer.recipe import confirm_command
     from raysweep.cli import build_parser, main
     from raysweep.config import load_config
@@ -358,8 +360,6 @@ def test_the_commands_an_answer_prints_name_the_store_with_the_flag_answer_confi
     printed = confirm_command(config.command_args, 64)
     assert printed == f"python -m raysweep confirm {path} --set train.epochs=2 --tracking-uri '{store}' --batch 64"
     # the printed command is one each command parses back to the same store
-    import shlex
-
     for command, words in (("confirm", printed.split(" confirm ", 1)[1]), ("answer", printed.split(" confirm ", 1)[1]),
                            ("report", config.command_args)):  # report: `raysweep report <command_args>`
         args = build_parser().parse_args([command, *shlex.split(words)])
