@@ -107,7 +107,9 @@ def _store(p) -> None:
 
 def _with_store(args) -> list[str]:
     """The overrides, with --tracking-uri as the spec's mlflow.tracking_uri."""
-    return [*args.overrides, *([f"mlflow.tracking_uri={args.tracking_uri}"] if args.tracking_uri else [])]
+    from raysweep.config import STORE_KEY
+
+    return [*args.overrides, *([f"{STORE_KEY}={args.tracking_uri}"] if args.tracking_uri else [])]
 
 
 def _fail_above(p) -> None:

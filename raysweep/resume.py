@@ -56,14 +56,13 @@ def resume_hint(experiment_path: str, spec: str, overrides: list[str]) -> str:
     """The command that resumes an interrupted or failed `tune` (given on the command line as `spec` and its --set
     `overrides`), where Tune saved the sweep at `experiment_path`; '' where it saved none (stopped before its first
     trial: nothing to resume, the command starts it anew)."""
-    import shlex
-
     from ray.tune import Tuner
+
+    from raysweep.config import command_args
 
     if not (storage.is_dir(experiment_path) and Tuner.can_restore(experiment_path)):
         return ""
-    words = [spec, *(w for item in overrides for w in ("--set", item)), "--resume"]
-    return f"python -m raysweep tune {' '.join(shlex.quote(w) for w in words)}"
+    return f"python -m raysweep tune {command_args(spec, overrides, store_flag=False)} --resume"
 
 
 def spec_changes(before: dict, after: dict) -> list[str]:

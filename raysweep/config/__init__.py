@@ -14,7 +14,7 @@ one `UserError` line naming the file, the dotted key, the value and the fix.
 from __future__ import annotations
 
 from raysweep.config.knobs import Choice, LogUniform, RandInt, Uniform
-from raysweep.config.load import iter_keys, load_config, parse_yaml, spec_yaml
+from raysweep.config.load import STORE_KEY, command_args, iter_keys, load_config, parse_yaml, spec_yaml
 from raysweep.config.sections import (
     DEFAULT_CHARSET,
     AshaConfig,
@@ -34,7 +34,7 @@ from raysweep.config.trial import ImageSpec, Knobs, TrialConfig, TrialFactory
 # what the rest of raysweep imports; the schema's building blocks stay in their modules (fields.py, knobs.py)
 __all__ = [
     "Choice", "LogUniform", "RandInt", "Uniform",
-    "iter_keys", "load_config", "parse_yaml", "spec_yaml",
+    "STORE_KEY", "command_args", "iter_keys", "load_config", "parse_yaml", "spec_yaml",
     "DEFAULT_CHARSET", "AshaConfig", "DataConfig", "MlflowSection", "ModelConfig", "ScalingConfig", "SearchConfig",
     "SyntheticConfig", "TargetConfig", "TrainConfig", "TuneSection",
     "SweepConfig",

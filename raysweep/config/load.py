@@ -63,7 +63,7 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
         raise UserError(_describe(e, str(path), overridden)) from None
     config._source = str(path) + "".join(f" (--set {item})" for item in overrides)
     config._spec_dir = str(path.resolve().parent)
-    config._args = _command_args(str(path), overrides)
+    config._args = command_args(str(path), overrides)
     _check_paths(config, str(path))
     problem = config.sweep_problem() if sweep else config.trial_problem(searched=False) if trial else None
     if problem:
@@ -71,13 +71,14 @@ def load_config(path: str | Path, overrides: list[str] = (), sweep: bool = True,
     return config
 
 
-STORE_KEY = "mlflow.tracking_uri"
+STORE_KEY = "mlflow.tracking_uri"  # the key --tracking-uri sets (cli._with_store)
 
 
-def _command_args(path: str, overrides: list[str]) -> str:
-    """The spec and its overrides as the commands an answer prints take them (confirm, answer, report): the store as
-    their --tracking-uri (last: the flag overrides the spec and every --set), the rest as --set."""
-    stores = [item for item in overrides if item.split("=", 1)[0].strip() == STORE_KEY]
+def command_args(path: str, overrides: list[str], store_flag: bool = True) -> str:
+    """The spec and its --set overrides as a command line takes them. `store_flag`: the store as --tracking-uri
+    (last: the flag overrides the spec and every --set), as the commands an answer prints take it (confirm, answer,
+    report); without it (`tune`, which has no such flag) every override stays a --set."""
+    stores = [item for item in overrides if item.split("=", 1)[0].strip() == STORE_KEY] if store_flag else []
     words = [path, *(w for item in overrides if item not in stores for w in ("--set", item))]
     if stores:
         words += ["--tracking-uri", stores[-1].split("=", 1)[1]]
