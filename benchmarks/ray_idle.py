@@ -10,13 +10,19 @@ worker and this driver left out) and prints them by process, as a share of the 2
   raysweep's was before it dropped the cleaner;
 - `raysweep`: raysweep's trainer class (trainer._trainer_class), which starts no cleaner and no DatasetManager;
 - `pool`: the same on a cluster with Ray's worker pool as Ray sets it (one idle worker prestarted and kept per
-  CPU), without raysweep's `cluster.WORKER_POOL`.
+  CPU), without raysweep's `cluster.WORKER_POOL`;
+- `coordinator`: raysweep's trainer class with Train V2's fixed scaling policy as Ray builds it, whose resource
+  requests create the cluster's detached AutoscalingCoordinator (raysweep's trainers make none: the docstring of
+  trainer._trainer_class).
+Each case also times its fit() from the call to the worker function's start on the fresh cluster (`to worker`).
 Also, once: the threads of one idle actor (Ray's core worker wakes its main thread every 10 ms to check for signals:
 `RunTaskExecutionLoop`, src/ray/core_worker/core_worker.cc), the floor every Ray process of a trial pays.
 Last lines: RESULT ray_idle_background ratio=<raysweep's ÷ Ray's, the median background share>, RESULT
-ray_idle_pool ratio=<raysweep's ÷ the same with Ray's worker pool>.
+ray_idle_pool ratio=<raysweep's ÷ the same with Ray's worker pool>, RESULT ray_idle_coordinator ratio=<raysweep's ÷
+the same with the coordinator>, RESULT ray_idle_coordinator_start ratio=<raysweep's ÷ the coordinator's, the median
+time to the worker>.
 
-    python benchmarks/ray_idle.py            # 60 s windows after 25 s, 2 repeats (~10 min)
+    python benchmarks/ray_idle.py            # 60 s windows after 25 s, 2 repeats (~14 min)
     python benchmarks/ray_idle.py --quick    # 5 s windows after 15 s, 1 repeat: the code path
 
 Figures in benchmarks/RESULTS.md (A trial's idle Ray processes).
@@ -43,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _idle(config):
     import ray.train
 
+    Path(config["stamp"]).write_text(str(time.time()))
     started = time.monotonic()
     while time.monotonic() - started < config["seconds"]:
         time.sleep(2.0)
@@ -78,6 +85,17 @@ def _with_cleaner():
     return WithCleaner
 
 
+def _with_coordinator(base):
+    """`base` with the scaling policy Train V2 builds (its requests create the cluster's AutoscalingCoordinator)."""
+    from ray.train.torch import TorchTrainer
+
+    class WithCoordinator(base):
+        def _initialize_and_run_controller(self, **controller_kwargs):
+            return TorchTrainer._initialize_and_run_controller(self, **controller_kwargs)
+
+    return WithCoordinator
+
+
 def one_case(case: str, settle: float, seconds: float) -> dict:
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -89,7 +107,9 @@ def one_case(case: str, settle: float, seconds: float) -> dict:
     if case == "pool":
         kwargs.pop("_system_config")  # Ray's own worker pool
     ray.init(num_cpus=2, **kwargs)
-    trainer_class = _with_cleaner() if case == "ray" else _trainer_class()
+    trainer_class = {"ray": _with_cleaner, "coordinator": lambda: _with_coordinator(_trainer_class())}.get(
+        case, _trainer_class)()
+    stamp = Path(tempfile.mkdtemp(prefix="ray_idle_stamp_")) / "worker"
     window: dict = {}
 
     def measure():
@@ -105,12 +125,13 @@ def one_case(case: str, settle: float, seconds: float) -> dict:
 
     watch = threading.Thread(target=measure)
     watch.start()
-    trainer_class(_idle, train_loop_config={"seconds": settle + seconds + 6},
+    called = time.time()
+    trainer_class(_idle, train_loop_config={"seconds": settle + seconds + 6, "stamp": str(stamp)},
                   scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
                   run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="ray_idle_"), name="idle")).fit()
     watch.join()
     ray.shutdown()
-    return {"share": sum(window["by"].values()) / window["s"] / 2,
+    return {"share": sum(window["by"].values()) / window["s"] / 2, "to_worker": float(stamp.read_text()) - called,
             "by": {k: v / window["s"] / 2 for k, v in window["by"].items()}}
 
 
@@ -156,7 +177,8 @@ def main() -> None:
     parser.add_argument("--settle", type=float)
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--repeats", type=int)
-    parser.add_argument("--case", choices=("ray", "raysweep", "pool", "actor"), help=argparse.SUPPRESS)  # the child's
+    parser.add_argument("--case", choices=("ray", "raysweep", "pool", "coordinator", "actor"),
+                        help=argparse.SUPPRESS)  # the child's
     args = parser.parse_args()
     settle = args.settle or (15.0 if args.quick else 25.0)
     seconds = args.seconds or (5.0 if args.quick else 60.0)
@@ -175,25 +197,30 @@ def main() -> None:
             sys.exit(f"ray_idle: the {case} case failed: {done.stderr.strip()[-2000:]}")
         return json.loads(line.removeprefix("CASE "))
 
-    runs: dict[str, list[dict]] = {"ray": [], "raysweep": [], "pool": []}
+    runs: dict[str, list[dict]] = {"ray": [], "raysweep": [], "pool": [], "coordinator": []}
     for _ in range(args.repeats or (1 if args.quick else 2)):
         for case in runs:
             runs[case].append(child(case))
     names = {"ray": "with Train V2's cleaner", "raysweep": "raysweep's trainer (no cleaner)",
-             "pool": "the same, Ray's worker pool"}
+             "pool": "the same, Ray's worker pool", "coordinator": "the same, the coordinator"}
     print(f"a trial's Ray processes beside one sleeping worker: % of the 2 cores over {seconds:.0f} s windows, "
           f"{settle:.0f} s after the start")
     for case, results in runs.items():
         last = results[-1]["by"]
         top = ", ".join(f"{k} {100 * v:.2f}" for k, v in sorted(last.items(), key=lambda kv: -kv[1])[:8])
         shares = " ".join(f"{100 * r['share']:.2f}" for r in results)
+        starts = " ".join(f"{r['to_worker']:.1f}" for r in results)
         print(f"{names[case]:<32} median {100 * statistics.median(r['share'] for r in results):5.2f} % (runs: "
-              f"{shares}); the last run's largest: {top}")
+              f"{shares}); to worker {statistics.median(r['to_worker'] for r in results):.1f} s (runs: {starts}); "
+              f"the last run's largest: {top}")
     actor = child("actor")
     print("one idle actor's threads, CPU s per s: " + ", ".join(f"{name} {cpu:.4f}" for name, cpu in actor[:4]))
     share = {case: statistics.median(r["share"] for r in results) for case, results in runs.items()}
     print(f"RESULT ray_idle_background ratio={share['raysweep'] / max(share['ray'], 1e-9):.3f}")
     print(f"RESULT ray_idle_pool ratio={share['raysweep'] / max(share['pool'], 1e-9):.3f}")
+    print(f"RESULT ray_idle_coordinator ratio={share['raysweep'] / max(share['coordinator'], 1e-9):.3f}")
+    start = {case: statistics.median(r["to_worker"] for r in results) for case, results in runs.items()}
+    print(f"RESULT ray_idle_coordinator_start ratio={start['raysweep'] / start['coordinator']:.3f}")
 
 
 if __name__ == "__main__":

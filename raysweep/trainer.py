@@ -1,5 +1,5 @@
 """The `TorchTrainer` raysweep builds: its workers' environment (`worker_env`), `make_trainer`, and the trainer class
-(`_trainer_class`) without the two per-run actors Train V2 starts that raysweep has no use for.
+(`_trainer_class`) without the actors Train V2 starts that raysweep has no use for.
 
 A warm slot (slots/) runs one trainer for the whole sweep; the probe (probe.py) runs one per probe; the tests and
 benchmarks/ray_overhead.py run one per trial.
@@ -79,7 +79,8 @@ def make_trainer(trial: TrialConfig, data_ref, storage_path: str, name: str, cal
 
 @functools.cache
 def _trainer_class():
-    """`TorchTrainer` without Train V2's per-run `DatasetManager` and `PlacementGroupCleaner` actors.
+    """`TorchTrainer` without Train V2's per-run `DatasetManager` and `PlacementGroupCleaner` actors, and without its
+    cluster's `AutoscalingCoordinator`.
 
     Train V2 starts both for every run (`_create_default_callbacks`, ray/train/v2/api/data_parallel_trainer.py):
     - the DatasetManager whether or not the run has datasets: a fresh Python process importing ray.data (about 1 s
@@ -94,8 +95,17 @@ def _trainer_class():
       cleaner is one more process per trainer (4.3 s of CPU over the quickstart's 107 s sweep), and it, with the
       dashboard's State API and the GCS it polls, costs the cores beside training for as long as the trainer lives
       (RESULTS.md, "A trial's idle Ray processes"; benchmarks/ray_idle.py).
-    `tests/test_train_ray.py` checks that a trial starts neither, so a Ray upgrade that renames these private hooks
-    fails there.
+    And no resource request to Ray's `AutoscalingCoordinator`. Train V2's fixed scaling policy asks it, at the
+    controller's start and every 20 s after (ray/train/v2/_internal/execution/scaling_policy/), to reserve the group's
+    resources, which it forwards to the autoscaler (`ray.autoscaler.sdk.request_resources`,
+    ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py). It exists to share a cluster between
+    Ray Data and Train; raysweep runs no Ray Data, and its groups' placement groups are themselves the demand Ray's
+    autoscaler scales a `ray up` cluster for. The coordinator is a detached actor that the cluster's first trainer
+    creates and waits for, up to 5 s: a fresh cluster's first worker started 1.8 s sooner without it (8.6 s against
+    10.3, medians of 3 alternating; RESULTS.md, "Ray's autoscaling coordinator"), and it wakes every 10 ms for as long
+    as the cluster lives, as every Ray process does.
+    `tests/test_train_ray.py` checks that a trial starts none of these, so a Ray upgrade that renames these private
+    hooks fails there.
 
     And `fit()` puts back the SIGINT handler it found. Called on a main thread, Train V2's fit() installs
     one that aborts its controller (ray-project/ray#53600) and never removes it: that handler holds the
@@ -109,12 +119,25 @@ def _trainer_class():
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+    class FixedWithoutRequests(FixedScalingPolicy):
+        def after_controller_start(self, train_run_context):
+            pass  # no coordinator client: nothing to request, and nothing for the shutdown to cancel
+
+        def _maybe_send_resource_request(self):
+            pass
 
     class CaptchaTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             dropped = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
             return [c for c in callbacks if not isinstance(c, dropped)]
+
+        def _initialize_and_run_controller(self, **controller_kwargs):
+            if type(controller_kwargs.get("scaling_policy")) is FixedScalingPolicy:
+                controller_kwargs["scaling_policy"] = FixedWithoutRequests(self.scaling_config)
+            return super()._initialize_and_run_controller(**controller_kwargs)
 
         def fit(self):
             if threading.current_thread() is not threading.main_thread():

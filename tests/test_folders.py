@@ -70,9 +70,9 @@ def test_every_rank_trains_on_a_uniform_sample_of_a_label_sorted_folder(ray_clus
     first-character index 5.4 against the set's 17.4, sd 10.5)."""
     import ray
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from raysweep.config import load_config
+    from raysweep.trainer import _trainer_class
 
     write_captcha_folder(tmp_path / "train", 900, CHARSET, 4, W, H, seed=1)
     write_captcha_folder(tmp_path / "val", 90, CHARSET, 4, W, H, seed=2)
@@ -85,12 +85,12 @@ def test_every_rank_trains_on_a_uniform_sample_of_a_label_sorted_folder(ray_clus
     assert (np.diff(firsts.astype(int)) >= 0).all()  # the listing is label-sorted: the case users bring
     trial = config.trials.trial({}, len(data.train))
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    TorchTrainer(_rank_epochs, train_loop_config={"data": ray.put(data.for_workers()), "out": str(tmp_path),
-                                                  "micro_batches": trial.micro_batches_per_epoch,
-                                                  "micro_batch": trial.micro_batch_size,
-                                                  "seed": config.train.seed},
-                 scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
-                 run_config=RunConfig(storage_path=str(tmp_path / "ray"))).fit()
+    _trainer_class()(_rank_epochs, train_loop_config={"data": ray.put(data.for_workers()), "out": str(tmp_path),
+                                                      "micro_batches": trial.micro_batches_per_epoch,
+                                                      "micro_batch": trial.micro_batch_size,
+                                                      "seed": config.train.seed},
+                     scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
+                     run_config=RunConfig(storage_path=str(tmp_path / "ray"))).fit()
     plans = {(r, e): np.load(tmp_path / f"rank{r}-epoch{e}.npy") for r in range(3) for e in (1, 2)}
     whole_mean, whole_sd = firsts.mean(), firsts.std()
     expected = np.bincount(data.train.labels.ravel(), minlength=36) / data.train.labels.size

@@ -128,9 +128,14 @@ def test_accumulation_gives_same_global_batch_and_steps(tmp_path, data_ref):
         assert reports[-1]["samples_seen"] == 2 * 192
 
 
-def test_a_trial_starts_no_dataset_manager_preemption_watcher_or_placement_group_cleaner(tmp_path, data_ref):
+def test_a_trial_starts_no_dataset_manager_preemption_watcher_placement_group_cleaner_or_autoscaling_coordinator(
+        tmp_path, data_ref):
     """Each of those is one more Python process to start before the first report (benchmarks/ray_overhead.py); the
-    cleaner also asks the State API every second for as long as its trainer lives (benchmarks/ray_idle.py)."""
+    cleaner also asks the State API every second for as long as its trainer lives, and the coordinator, detached,
+    wakes as every Ray process does for as long as the cluster lives (benchmarks/ray_idle.py).
+
+    The coordinator is the cluster's, not the run's: the first trainer that asks creates it. So this test looks at the
+    whole cluster, and the session's tests fit raysweep's trainer class only (a bare `TorchTrainer` would create it)."""
     import ray
     from ray.util.state import list_actors
 
@@ -147,9 +152,10 @@ def test_a_trial_starts_no_dataset_manager_preemption_watcher_or_placement_group
     assert started.count("RayTrainWorker") == 2  # the query sees this run's actors
     assert "TrainController" in started
     assert not {"DatasetManager", "PreemptionWatcher", "PlacementGroupCleaner"} & set(started), started
+    assert "_AutoscalingCoordinatorActor" not in actors().values()
     # and none outlives its fit() (called here on the main thread, where Train V2 leaves a SIGINT handler
     # holding its controller: trainer._trainer_class puts the old one back); Ray ends actors asynchronously
-    mine = {actor_id for actor_id, name in actors().items()  # (Ray's autoscaling coordinator lives on, detached)
+    mine = {actor_id for actor_id, name in actors().items()
             if actor_id not in before and name in ("TrainController", "RayTrainWorker")}
     deadline = time.monotonic() + 30
     while alive := [a.class_name for a in list_actors(address=gcs, filters=[("state", "=", "ALIVE")], limit=10_000,
