@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from raysweep.errors import RayNotStarted, SweepFailed, UserError
+from raysweep.errors import RayNotStarted, StoreUnavailable, SweepFailed, UserError
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,9 @@ def _resume_line(args, e: BaseException) -> str:
     except Exception as looked:  # what ended the sweep is the line's news; never a traceback over it
         log.warning("could not look for the sweep to resume: %s", looked)
         return ""
-    return f" (resume with: {command})" if command else ""
+    if not command:
+        return ""
+    return f" ({'once the store answers, ' if isinstance(e, StoreUnavailable) else ''}resume with: {command})"
 
 
 if __name__ == "__main__":

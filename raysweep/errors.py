@@ -14,8 +14,9 @@ class RayNotStarted(Exception):
 
 
 class SweepFailed(Exception):
-    """The infrastructure under a running sweep failed for good (its broker lost): one line, exit code 1; the
-    trials' checkpoints are kept and `tune --resume` continues them."""
+    """The infrastructure under a command failed for good (a sweep's broker lost, its store gone): one line, exit
+    code 1. The line says what failed, not what to do next: that depends on the command, and `cli.main` adds it
+    (`tune --resume` only where Tune saved a sweep to resume: cli._resume_line)."""
 
 
 class BrokerLost(SweepFailed):
@@ -23,8 +24,7 @@ class BrokerLost(SweepFailed):
 
     @classmethod
     def of(cls, cause: str) -> BrokerLost:
-        return cls(f"the sweep's broker was lost ({cause}); the trials' checkpoints are kept: "
-                   f"`tune --resume` continues them")
+        return cls(f"the sweep's broker was lost ({cause})")
 
 
 class StoreUnavailable(SweepFailed, RuntimeError):
@@ -35,5 +35,4 @@ class StoreUnavailable(SweepFailed, RuntimeError):
     def of(cls, store: str, retry_s: float, cause: BaseException) -> StoreUnavailable:
         line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         return cls(f"the MLflow store at {store} did not answer for mlflow.retry_s ({retry_s:.0f} s): "
-                   f"{type(cause).__name__}: {line[:300]}; the trials' checkpoints are kept: `tune --resume` continues "
-                   f"them once it answers")
+                   f"{type(cause).__name__}: {line[:300]}")
