@@ -100,7 +100,8 @@ def _trainer_class():
     resources, which it forwards to the autoscaler (`ray.autoscaler.sdk.request_resources`,
     ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py). It exists to share a cluster between
     Ray Data and Train; raysweep runs no Ray Data, and its groups' placement groups are themselves the demand Ray's
-    autoscaler scales a `ray up` cluster for. The coordinator is a detached actor that the cluster's first trainer
+    autoscaler scales a `ray up` cluster for (doc/source/ray-core/internals/autoscaler-v2.rst: "resource demand from
+    tasks, actors, and placement groups"). The coordinator is a detached actor that the cluster's first trainer
     creates and waits for, up to 5 s: a fresh cluster's first worker started 1.8 s sooner without it (8.6 s against
     10.3, medians of 3 alternating; RESULTS.md, "Ray's autoscaling coordinator"), and it wakes every 10 ms for as long
     as the cluster lives, as every Ray process does.
