@@ -216,8 +216,9 @@ def cmd_check(args) -> int:
     train_size = len(data.train) if data is not None else config.data.synthetic.train_size
     config.trials.check_data_fits(train_size, static_batch_cap(config, None), source=config.source)
     # the rungs in the other unit need each batch's epoch seconds: what this experiment's trials measured
-    seconds = tracking.epoch_seconds_by_batch(tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
-                                              config.experiment_name)
+    uri = tracking.resolve_tracking_uri(config.mlflow.tracking_uri)
+    seconds = tracking.in_store(lambda: tracking.epoch_seconds_by_batch(uri, config.experiment_name), uri,
+                                config.mlflow.retry_s, "the epochs' seconds")
     console.print_check(config, train_size, (rung_table(AshaPlan.of(config), config.trials.global_batches(), seconds),
                                              seconds), describe(data, config.data.charset) if data else None,
                         model)

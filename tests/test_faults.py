@@ -559,38 +559,48 @@ def test_a_tracking_server_that_stops_answering_ends_every_write_and_flush_by_ml
         server.wait(timeout=30)
 
 
-
-@pytest.mark.timeout(240)
-def test_a_tune_whose_store_hangs_before_it_starts_names_the_store_and_nothing_to_resume(tmp_path):
-    """A tracking server SIGSTOPped before `tune` starts: the command ends in one line, exit 1, naming the store. That
-    line went on "the trials' checkpoints are kept: `tune --resume` continues them once it answers" where no trial had
-    run and Tune had saved nothing (and under `confirm` and `probe`, which nothing resumes). The failure's own text now
-    says what failed; the resume command is added only where there is a sweep to resume (cli._resume_line)."""
+@pytest.mark.timeout(300)
+def test_every_command_whose_store_hangs_ends_in_one_line_naming_it_after_retry_s_and_nothing_to_resume(tmp_path):
+    """A tracking server SIGSTOPped (the kernel accepts, nothing answers) before the command starts.
+    - `report`, `answer`, `confirm` and `check` read the store unbounded: each still waited after 150 s (MLflow's own
+      retries, a 120 s read timeout each). Now each ends after mlflow.retry_s (3 s here) in one line, exit 1.
+    - `tune` ended so too, but its line went on "the trials' checkpoints are kept: `tune --resume` continues them
+      once it answers" where no trial had run and Tune had saved nothing (and `confirm` and `probe` said it too,
+      which nothing resumes). A failure's text now says what failed; the resume command is added only where there
+      is a sweep to resume (cli._resume_line)."""
     import subprocess
     import sys
 
     from raysweep.errors import BrokerLost
 
     port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    spec = write_spec(tmp_path, tiny_spec(tmp_path))
     with open(tmp_path / "server.log", "w") as log:
         server = _serve(tmp_path, port, log)
+    ended = {}
     try:
         os.killpg(server.pid, signal.SIGSTOP)
-        spec = write_spec(tmp_path, tiny_spec(tmp_path))
-        done = subprocess.run([sys.executable, "-m", "raysweep", "tune", str(spec), "--set",
-                               f"mlflow.tracking_uri=http://127.0.0.1:{port}", "--set", "mlflow.retry_s=3"],
-                              capture_output=True, text=True, timeout=180)
+        for command in ("tune", "check", "report", "answer", "confirm"):
+            store = ["--tracking-uri", uri] if command in ("report", "answer", "confirm") else \
+                ["--set", f"mlflow.tracking_uri={uri}"]
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "raysweep", command, str(spec), "--set", "mlflow.retry_s=3",
+                                   *store], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            ended[command] = (done.returncode, time.monotonic() - started, done.stderr.strip().splitlines()[-1])
     finally:
         os.killpg(server.pid, signal.SIGCONT)
         os.killpg(server.pid, signal.SIGKILL)
         server.wait(timeout=30)
-    last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert last.startswith(f"raysweep: failed: the MLflow store at http://127.0.0.1:{port} did not answer for "
-                           f"mlflow.retry_s (3 s): "), last
-    assert "resume" not in last, last
-    assert not (tmp_path / "results").exists()  # nothing of the sweep started
+    for command, (code, seconds, last) in ended.items():
+        assert code == 1, (command, last)
+        assert last.startswith(f"raysweep: failed: the MLflow store at {uri} did not answer for mlflow.retry_s (3 s): "
+                               ), (command, last)
+        assert "resume" not in last, (command, last)
+        assert seconds < 60, (command, seconds)  # the command's imports and 3 s; the server never answered
+    assert not (tmp_path / "results").exists()  # nothing of a sweep started
     assert "resume" not in str(BrokerLost.of("its node died"))  # the broker's line, under whichever command
+
 
 @pytest.mark.ray
 @pytest.mark.long

@@ -213,18 +213,20 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
 
     if (spec is None) == (experiment is None):
         raise UserError("report: give a spec (e.g. search_spaces/quickstart.yaml) or --experiment NAME, not both")
-    if spec is not None:
-        from raysweep.config import load_config
+    from raysweep.config import MlflowSection, load_config
 
+    if spec is not None:
         config = load_config(spec, overrides, sweep=False, trial=False)  # it reads a store: nothing to train
-        experiment = config.experiment_name
+        experiment, retry_s = config.experiment_name, config.mlflow.retry_s
         uri = tracking.resolve_tracking_uri(tracking_uri or config.mlflow.tracking_uri)
         default_out = storage.join(storage.resolve(config.storage_path), config.name, layout.REPORT)
     else:
-        uri = tracking.resolve_tracking_uri(tracking_uri)
+        uri, retry_s = tracking.resolve_tracking_uri(tracking_uri), MlflowSection().retry_s
         default_out = str(Path("raysweep_report", experiment).resolve())
-    tracking.reconcile_orphans(uri)  # a sweep whose driver died is not shown as still running
-    record = tracking.load_sweep(uri, experiment)
+    # a sweep whose driver died is not shown as still running; a store that does not answer ends the command in one
+    # line after mlflow.retry_s (errors.StoreUnavailable), never holds it
+    tracking.in_store(lambda: tracking.reconcile_orphans(uri), uri, retry_s, "the orphans' search")
+    record = tracking.in_store(lambda: tracking.load_sweep(uri, experiment), uri, retry_s, "the sweep's read")
     report = publish(record, out or default_out, config.command_args if spec is not None else None)
     console.print_report(report)
     answer_console.print_answer(report.answer)
