@@ -20,8 +20,9 @@ repetitions can land anywhere in that band:
   epoch lasts about as long), so what is left is Ray Train's own per-epoch cost.
 fit() → first report (all cores) is the median over repetitions, each listed: the first on a fresh
 cluster also starts what a cluster starts once (raysweep's trainers start no AutoscalingCoordinator:
-trainer._trainer_class); later ones are what every further trial of a sweep pays. Where the CPU goes during the Ray trial's steady epochs (all cores, every process
-of this benchmark's cluster, psutil): the worker's share and each of Ray's other processes'.
+trainer._trainer_class); later ones are what every further trial of a sweep pays. Where the CPU
+goes during the Ray trial's steady epochs (all cores, every process of this benchmark's cluster,
+psutil): the worker's share and each of Ray's other processes'.
 Last lines: RESULT ray_overhead ratio=<Ray ÷ bare, all cores>, RESULT ray_overhead_spare_core
 ratio=<the same with a core spare>, RESULT ray_first_report_s value=<seconds>.
 
