@@ -20,15 +20,11 @@ from raysweep.errors import UserError
 
 
 def _sweep_of(config):
-    """The newest `tune` sweep of a spec's experiment (tracking.load_sweep), and the noise scale's advice on it."""
+    """The newest `tune` sweep of a spec's experiment (tracking.read_sweep), and the noise scale's advice on it."""
     from raysweep import report, tracking
 
-    uri, retry_s = tracking.resolve_tracking_uri(config.mlflow.tracking_uri), config.mlflow.retry_s
-    # a sweep whose driver died is not read as still running (no store: nothing); a store that does not answer ends
-    # the command in one line after mlflow.retry_s (errors.StoreUnavailable), never holds it
-    tracking.in_store(lambda: tracking.reconcile_orphans(uri), uri, retry_s, "the orphans' search")
-    record = tracking.in_store(lambda: tracking.load_sweep(uri, config.experiment_name, command=config.source), uri,
-                               retry_s, "the sweep's read")  # a UserError without one
+    record = tracking.read_sweep(tracking.resolve_tracking_uri(config.mlflow.tracking_uri), config.experiment_name,
+                                 config.mlflow.retry_s, command=config.source)  # a UserError without one
     return record, report.recommendation(record)
 
 

@@ -223,10 +223,7 @@ def run(spec: str | None, overrides: list[str], experiment: str | None, tracking
     else:
         uri, retry_s = tracking.resolve_tracking_uri(tracking_uri), MlflowSection().retry_s
         default_out = str(Path("raysweep_report", experiment).resolve())
-    # a sweep whose driver died is not shown as still running; a store that does not answer ends the command in one
-    # line after mlflow.retry_s (errors.StoreUnavailable), never holds it
-    tracking.in_store(lambda: tracking.reconcile_orphans(uri), uri, retry_s, "the orphans' search")
-    record = tracking.in_store(lambda: tracking.load_sweep(uri, experiment), uri, retry_s, "the sweep's read")
+    record = tracking.read_sweep(uri, experiment, retry_s)
     report = publish(record, out or default_out, config.command_args if spec is not None else None)
     console.print_report(report)
     answer_console.print_answer(report.answer)

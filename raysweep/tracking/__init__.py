@@ -26,6 +26,7 @@ from raysweep.tracking.reads import (
     epoch_seconds_by_batch,
     last_noise_scale,
     load_sweep,
+    read_sweep,
     settled_trials,
     trial_histories,
 )
@@ -49,7 +50,7 @@ __all__ = [
     "Heartbeat", "StoreTimeout", "TrialRuns", "Writer", "bounded", "close_sweep", "confirm_tags", "end_sweep",
     "epoch_seconds_by_batch", "find_parent", "flush_writes", "in_store", "last_noise_scale", "load_sweep",
     "log_answer", "log_confirmation", "log_importance", "log_probe", "log_recommendation", "log_report",
-    "log_sweep_figures", "open_sweep", "raise_if_gave_up", "reconcile_orphans", "reopen", "resolve_tracking_uri",
-    "resumed_parent", "runs_link",
+    "log_sweep_figures", "open_sweep", "raise_if_gave_up", "read_sweep", "reconcile_orphans", "reopen",
+    "resolve_tracking_uri", "resumed_parent", "runs_link",
     "settled_trials", "spec_of", "sqlite_path", "target_tags", "trial_histories", "writer",
 ]

@@ -1,4 +1,5 @@
-"""What the driver and the report read back from the store: a sweep whole (load_sweep), the trials a resume
+"""What the driver and the report read back from the store: a sweep whole (load_sweep; read_sweep for a command that
+only reads, bounded and with its orphans ended first), the trials a resume
 must not run again, ASHA's rung histories, the epoch seconds `check` shows, the last noise scale."""
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from raysweep.metrics import (
     outcome_of_run,
     seconds_to_value,
 )
-from raysweep.tracking.store import _artifact_text, mlflow_client, sqlite_path
+from raysweep.tracking.orphans import reconcile_orphans
+from raysweep.tracking.store import _artifact_text, in_store, mlflow_client, sqlite_path
+
+
+def read_sweep(tracking_uri: str, experiment: str, retry_s: float, command: str = "report") -> SweepRecord:
+    """The newest sweep of `experiment` as `report`, `answer` and `confirm` read it: a sweep whose driver died is
+    ended first (not read as still running); each call waited for at most `retry_s` (mlflow.retry_s), so a store
+    that does not answer ends the command in one line (errors.StoreUnavailable), never holds it."""
+    in_store(lambda: reconcile_orphans(tracking_uri), tracking_uri, retry_s, "the orphans' search")
+    return in_store(lambda: load_sweep(tracking_uri, experiment, command=command), tracking_uri, retry_s,
+                    "the sweep's read")
 
 
 def epoch_seconds_by_batch(tracking_uri: str, experiment: str) -> dict[int, float]:
