@@ -26,6 +26,15 @@ def _actors(class_name):
             if a.class_name.rsplit(".", 1)[-1] == class_name]
 
 
+def _actor_state(handle) -> str | None:
+    """One actor's state in the GCS's table (the State API), None while it is not there."""
+    import ray
+    from ray.util.state import get_actor
+
+    found = get_actor(handle._actor_id.hex(), address=ray.get_runtime_context().gcs_address)
+    return found.state if found else None
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_at_a_sweeps_end_a_live_broker_answers_at_once_and_a_killed_one_says_why(ray_cluster):
@@ -46,7 +55,8 @@ def test_at_a_sweeps_end_a_live_broker_answers_at_once_and_a_killed_one_says_why
         asked = time.monotonic()
         assert lifecycle.broker_lost(path, wait_s=40.0) is None
         assert time.monotonic() - asked < 20, "a live broker's answer waited for the whole wait"  # before: all 40 s
-        ray.kill(broker)
+        ray.kill(broker)  # only asks the GCS (python/ray/_private/worker.py `kill`): a call sent now may be answered
+        _wait_for(lambda: _actor_state(broker) == "DEAD", 30, "the killed broker's actor to be DEAD")
         lost = lifecycle.broker_lost(path, wait_s=40.0)
         assert lost and "ActorDied" in lost, lost
     finally:
