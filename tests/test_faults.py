@@ -26,15 +26,6 @@ def _actors(class_name):
             if a.class_name.rsplit(".", 1)[-1] == class_name]
 
 
-def _actor_state(handle) -> str | None:
-    """One actor's state in the GCS's table (the State API), None while it is not there."""
-    import ray
-    from ray.util.state import get_actor
-
-    found = get_actor(handle._actor_id.hex(), address=ray.get_runtime_context().gcs_address)
-    return found.state if found else None
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(120)
 def test_at_a_sweeps_end_a_live_broker_answers_at_once_and_a_killed_one_says_why(ray_cluster):
