@@ -22,12 +22,22 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
     glibc backs large allocations with transparent huge pages: an activation over 32 MB is a fresh
     mmap, faulted in 4 KiB pages on first touch (a 157 MB elementwise pass took 77 ms into new
     memory, 13 ms into reused memory here); 2 MiB pages cut the faults 512×. On the CPU step at
-    batch 512: 48-52 → 65-69 images/s, same peak RSS. Plus the RAYSWEEP_TEST_* fault switches,
-    where set (tests only).
+    batch 512: 48-52 → 65-69 images/s, same peak RSS.
+
+    And every thread allocates from glibc's main arena. Ray Train runs the loop on a thread of the worker, and glibc
+    gives each new thread an arena of its own, whose heaps hold at most 64 MB (HEAP_MAX_SIZE, glibc's malloc/arena.c):
+    a larger tensor was mapped fresh and unmapped when freed, every step, whatever worker.device.keep_host_memory set
+    (M_MMAP_MAX keeps blocks in the main arena's heap only). A CPU worker's epoch at batch 512 took 5.48 s so and
+    4.25 s on the main arena (benchmarks/RESULTS.md, "A Ray Train worker's loop thread"). Small allocations go through
+    each thread's tcache either way, so the arena's lock is rarely taken. tests/test_train_ray.py checks where a
+    worker's loop thread gets a 160 MB tensor.
+
+    Plus the RAYSWEEP_TEST_* fault switches, where set (tests only).
     """
+    ours = ("glibc.malloc.hugetlb=1", "glibc.malloc.arena_max=1")
     tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":")
-                if t and not t.startswith("glibc.malloc.hugetlb")]
-    env = {"GLIBC_TUNABLES": ":".join([*tunables, "glibc.malloc.hugetlb=1"])}
+                if t and t.split("=")[0] not in {o.split("=")[0] for o in ours}]
+    env = {"GLIBC_TUNABLES": ":".join([*tunables, *ours])}
     env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
     env.update(cache_env(compile_cache))
     return env

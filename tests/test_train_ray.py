@@ -165,6 +165,58 @@ def test_a_trial_starts_no_dataset_manager_preemption_watcher_placement_group_cl
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def _where_the_loop_thread_allocates(config: dict) -> None:
+    """A Ray Train worker, set up for the CPU as raysweep's are (worker.device.keep_host_memory): whether its loop runs
+    on the process's main thread, and the bytes glibc mapped for one 160 MB tensor (mallinfo2's mmapped bytes)."""
+    import ctypes
+    import json
+    import os
+    import threading
+
+    import ray.train
+    import torch
+
+    from raysweep.worker.device import keep_host_memory
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+    assert keep_host_memory(torch.device("cpu"))
+    before = libc.mallinfo2().hblkhd
+    block = torch.ones(160 * 2**20, dtype=torch.uint8)
+    mapped = libc.mallinfo2().hblkhd - before
+    del block
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump({"main_thread": threading.current_thread() is threading.main_thread(), "mapped": mapped}, f)
+
+
+def test_a_cpu_workers_loop_thread_keeps_large_blocks_in_glibcs_heap(tmp_path, ray_cluster):
+    """Ray Train runs the loop on a thread of the worker, not its main one, and glibc gives each new thread an arena
+    of its own whose heaps hold at most 64 MB (HEAP_MAX_SIZE, glibc's malloc/arena.c): a larger tensor was mapped
+    fresh and unmapped when freed, every step, whatever keep_host_memory had set (its settings reach the main arena
+    only). At batch 512 a Ray Train epoch took 5.48 s so and 4.25 s with every thread on the main arena
+    (benchmarks/RESULTS.md, "A Ray Train worker's loop thread"). worker_env gives the workers one arena."""
+    import json
+    import sys
+
+    import ray
+
+    from raysweep.trainer import make_trainer
+
+    config = load_config(write_spec(tmp_path, tiny_spec(tmp_path)))
+    trial = config.trials.trial(config.trials.default_knobs(), train_size=192)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import a test module
+    make_trainer(trial, None, str(tmp_path / "runs"), "arena", worker_fn=_where_the_loop_thread_allocates,
+                 extra_config={"out": str(tmp_path)}).fit()
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(trial.scaling.num_workers)]
+    assert not any(s["main_thread"] for s in seen), seen  # what makes the arena matter: the loop is on a thread
+    assert all(s["mapped"] == 0 for s in seen), seen  # before: 167772160 (and more) on each rank
+
+
 SHARED_GPU_DRIVER = r"""
 import json, os, sys
 import ray
