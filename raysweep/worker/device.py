@@ -108,6 +108,9 @@ def _libc():
         return None
 
 
+M_MMAP_THRESHOLD, M_MMAP_MAX = -3, -4  # glibc's malloc.h
+
+
 def keep_host_memory(device: torch.device) -> bool:
     """CPU workers: serve large tensors from glibc's heap and keep them there between steps.
 
@@ -120,8 +123,27 @@ def keep_host_memory(device: torch.device) -> bool:
     libc = _libc()
     if device.type != "cpu" or libc is None:
         return False
-    m_trim_threshold, m_mmap_max = -1, -4
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    m_trim_threshold = -1
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+@contextlib.contextmanager
+def own_host_blocks(device: torch.device):
+    """CPU workers: a step inside this maps its blocks over 32 MB (glibc's largest automatic mmap threshold) fresh
+    and unmaps them when freed, so its resident memory is its own. In a heap that kept a larger step's blocks
+    (keep_host_memory), the step's tensors land in the gaps it left, and the probe's bisection read every batch after
+    one over the limit as over it too (129 at 1.57 GiB after 128 at 1.33: benchmarks/RESULTS.md, "A Ray Train
+    worker's loop thread"). Outside it, the heap keeps its blocks again."""
+    libc = _libc()
+    if device.type != "cpu" or libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+    libc.mallopt(M_MMAP_MAX, 65536)  # glibc's default
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, 0)
 
 
 def release_host_memory() -> None:

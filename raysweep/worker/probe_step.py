@@ -14,7 +14,7 @@ from torch import nn
 
 from raysweep.config import TrialConfig
 from raysweep.worker import faults
-from raysweep.worker.device import GiB, autocast, device_memory, release_host_memory
+from raysweep.worker.device import GiB, autocast, device_memory, own_host_blocks, release_host_memory
 from raysweep.worker.net import RankModel
 from raysweep.worker.reduce import all_reduce_named
 from raysweep.worker.shard import model_input
@@ -77,7 +77,8 @@ def probe_step(net: RankModel, trial: TrialConfig, micro_batch: int) -> ProbeSte
     oom = False
     t0 = time.perf_counter()
     try:  # the step's tensors are gone when it returns or raises: nothing of it is held below
-        net.call_step(micro_batch, step)
+        with own_host_blocks(device):
+            net.call_step(micro_batch, step)
     except torch.OutOfMemoryError:
         oom = True
     finally:
