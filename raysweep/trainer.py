@@ -27,10 +27,10 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
     And every thread allocates from glibc's main arena. Ray Train runs the loop on a thread of the worker, and glibc
     gives each new thread an arena of its own, whose heaps hold at most 64 MB (HEAP_MAX_SIZE, glibc's malloc/arena.c):
     a larger tensor was mapped fresh and unmapped when freed, every step, whatever worker.device.keep_host_memory set
-    (M_MMAP_MAX keeps blocks in the main arena's heap only). A CPU worker's epoch at batch 512 took 5.48 s so and
-    4.25 s on the main arena (benchmarks/RESULTS.md, "A Ray Train worker's loop thread"). Small allocations go through
-    each thread's tcache either way, so the arena's lock is rarely taken. tests/test_train_ray.py checks where a
-    worker's loop thread gets a 160 MB tensor.
+    (M_MMAP_MAX keeps blocks in the main arena's heap only). On the quickstart's images a CPU worker's epoch at
+    per-GPU 192 took 7.42 s that way and 5.59 s on the main arena (benchmarks/worker_arena.py; RESULTS.md). Small
+    allocations go through each thread's tcache either way, so the arena's lock is rarely taken.
+    tests/test_train_ray.py checks where a worker's loop thread gets a 160 MB tensor.
 
     Plus the RAYSWEEP_TEST_* fault switches, where set (tests only).
     """

@@ -58,6 +58,16 @@ def test_ray_overhead_quick_and_the_timeline_of_the_processes_a_trial_starts():
     assert re.search(r"^RESULT ray_first_report_s value=\d+\.\d+$", out, re.M)
 
 
+@pytest.mark.ray
+def test_worker_arena_quick_runs_a_trial_in_each_environment():
+    out = _run("worker_arena.py")
+    rows = [ln.split() for ln in out.splitlines() if re.match(r"\s+16 ", ln)]
+    assert len(rows) == 1, out  # --quick: one batch, each environment once
+    assert all(float(v) > 0 for v in rows[0][1:4]), rows  # both epochs and their ratio
+    assert re.fullmatch(r"\(\d+\.\d+-\d+\.\d+\)", rows[0][4]), rows  # the spread
+    assert rows[0][5:] != ["0.00", "→", "0.00"] and rows[0][6] == "→", rows  # each run's workers' peak RSS, sampled
+
+
 def test_ray_overheads_cpu_line_keeps_a_process_title_once_read_when_the_process_exits():
     """The worker's last sample may read an empty command line (it is exiting), leaving only the kernel's 15-character
     name: the CPU line once counted that sample's worker as another process, `RayTrainWo` (18 % of its 89 %)."""

@@ -198,8 +198,8 @@ def test_a_cpu_workers_loop_thread_keeps_large_blocks_in_glibcs_heap(tmp_path, r
     """Ray Train runs the loop on a thread of the worker, not its main one, and glibc gives each new thread an arena
     of its own whose heaps hold at most 64 MB (HEAP_MAX_SIZE, glibc's malloc/arena.c): a larger tensor was mapped
     fresh and unmapped when freed, every step, whatever keep_host_memory had set (its settings reach the main arena
-    only). At batch 512 a Ray Train epoch took 5.48 s so and 4.25 s with every thread on the main arena
-    (benchmarks/RESULTS.md, "A Ray Train worker's loop thread"). worker_env gives the workers one arena."""
+    only). On the quickstart's images at per-GPU 192 an epoch took 7.42 s that way and 5.59 s with every thread on
+    the main arena (benchmarks/worker_arena.py). worker_env gives the workers one arena."""
     import json
     import sys
 
