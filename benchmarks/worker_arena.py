@@ -13,6 +13,9 @@ per thread), with the spread. Last line: RESULT worker_arena ratio=<the batches'
 
     python benchmarks/worker_arena.py            # the quickstart's images and workers, per-GPU 64 and 192 (~6 min)
     python benchmarks/worker_arena.py --quick    # seconds (CI)
+    python benchmarks/worker_arena.py --shape overhead  # ray_overhead.py's trial: 64×24, 1 worker × 2 threads
+
+Precision is the spec's `auto` (bf16 where the CPU has it; ray_overhead.py trains fp32).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # raysweep, and the tests' one-
 BEFORE = "glibc.malloc.hugetlb=1"  # worker_env's GLIBC_TUNABLES until the main arena
 
 
-def spec(tmp: Path, batch: int, train_size: int, epochs: int, width: int, height: int):
+def spec(tmp: Path, batch: int, train_size: int, epochs: int, width: int, height: int, workers: int, cpus: int):
     from raysweep.config import load_config
 
     path = tmp / f"arena-{batch}.yaml"
@@ -40,7 +43,7 @@ def spec(tmp: Path, batch: int, train_size: int, epochs: int, width: int, height
 name: arena
 storage_path: {tmp / 'runs'}
 data: {{width: {width}, height: {height}, synthetic: {{train_size: {train_size}, val_size: 128, seed: 0}}}}
-scaling: {{num_workers: 2, cpus_per_worker: 1}}
+scaling: {{num_workers: {workers}, cpus_per_worker: {cpus}}}
 train: {{epochs: {epochs}, precision: auto, checkpoint_every: 1}}
 search: {{per_gpu_batch_size: {batch}, base_lr: 1.0e-3, warmup_epochs: 1, weight_decay: 1.0e-4}}
 """)
@@ -94,9 +97,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--shape", choices=("quickstart", "overhead"), default="quickstart")
     a = p.parse_args()
-    # per-GPU batch: (images, epochs); the quickstart's 160×60 images, or --quick's 64×24
-    batches, width, height = ({16: (64, 2)}, 64, 24) if a.quick else ({64: (1024, 4), 192: (1536, 4)}, 160, 60)
+    # per-GPU batch: (images, epochs); the quickstart's 160×60 images and workers, ray_overhead.py's trial, or --quick
+    batches, width, height, workers, cpus = (
+        ({16: (64, 2)}, 64, 24, 2, 1) if a.quick else
+        ({64: (2048, 8)}, 64, 24, 1, 2) if a.shape == "overhead" else
+        ({64: (1024, 4), 192: (1536, 4)}, 160, 60, 2, 1))
     repeats = 1 if a.quick else a.repeats
 
     import ray
@@ -113,7 +120,7 @@ def main() -> int:
         ray.init(num_cpus=2, **ray_init_kwargs())
         try:
             for batch, (images, epochs) in batches.items():
-                config = spec(tmp, batch, images, epochs, width, height)
+                config = spec(tmp, batch, images, epochs, width, height, workers, cpus)
                 data_ref = ray.put(load_data(config.data))
                 runs = {name: [] for name in envs}
                 for rep in range(repeats):
@@ -130,7 +137,7 @@ def main() -> int:
         finally:
             ray.shutdown()
 
-    print(f"worker_arena: 2 CPU workers × 1 thread, images {width}×{height}, {repeats} repetitions; "
+    print(f"worker_arena: {workers} CPU worker(s) × {cpus} thread(s), images {width}×{height}, {repeats} repetitions; "
           "s/epoch: the worker's own from epoch 2 on, median; peak RSS: the workers' largest, GiB, each run")
     print(f"{'per-GPU':>7s} {'arena per thread s':>18s} {'main arena s':>12s} {'ratio':>6s} {'(spread)':>13s}  "
           f"peak RSS per thread → main")
