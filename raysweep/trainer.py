@@ -35,8 +35,8 @@ def worker_env(compile_cache: str | None = None) -> dict[str, str]:
     Plus the RAYSWEEP_TEST_* fault switches, where set (tests only).
     """
     ours = ("glibc.malloc.hugetlb=1", "glibc.malloc.arena_max=1")
-    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":")
-                if t and t.split("=")[0] not in {o.split("=")[0] for o in ours}]
+    names = {o.split("=")[0] for o in ours}
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t and t.split("=")[0] not in names]
     env = {"GLIBC_TUNABLES": ":".join([*tunables, *ours])}
     env.update({k: v for k, v in os.environ.items() if k.startswith("RAYSWEEP_TEST_")})
     env.update(cache_env(compile_cache))

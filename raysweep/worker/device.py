@@ -133,7 +133,7 @@ def own_host_blocks(device: torch.device):
     and unmaps them when freed, so its resident memory is its own. In a heap that kept a larger step's blocks
     (keep_host_memory), the step's tensors land in the gaps it left, and the probe's bisection read every batch after
     one over the limit as over it too (129 at 1.57 GiB after 128 at 1.33: benchmarks/RESULTS.md, "A Ray Train
-    worker's loop thread"). Outside it, the heap keeps its blocks again."""
+    worker's loop thread"). Outside it, the heap keeps its blocks again (keep_host_memory's settings)."""
     libc = _libc()
     if device.type != "cpu" or libc is None:
         yield
@@ -143,7 +143,7 @@ def own_host_blocks(device: torch.device):
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_MAX, 0)
+        keep_host_memory(device)
 
 
 def release_host_memory() -> None:
