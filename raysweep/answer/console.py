@@ -3,6 +3,7 @@ time-to-target table and how it held against the sweep), and `confirm`'s start a
 
 from __future__ import annotations
 
+from raysweep.answer.records import UNPLACED
 from raysweep.noise import in_samples
 from raysweep.report.table import SAMPLES, fmt, format_table
 
@@ -133,7 +134,8 @@ def used_words(fit) -> str:
     """How a predicted batch gets its LR (answer.fit's check), in words."""
     check = fit.check
     if check is None:
-        return "a predicted batch scales the answer's LR by the square-root rule (unchecked: one global batch ran)"
+        why = UNPLACED if len(fit.batches) > 1 else "one global batch ran"
+        return f"a predicted batch scales the answer's LR by the square-root rule (unchecked: {why})"
     errors = ", ".join(f"{k} {v:.2f}" for k, v in check.errors.items())
     what = {"fit": f"the fit's B^{check.exponent:.2f}", "sqrt": "the square-root rule",
             "none": "keeping the answer's LR"}[check.used]

@@ -14,15 +14,21 @@ leaving each batch out, bounded by the trials that diverged.
   k the rung (or the end), p the share of the trial's whole budget behind the value (its epoch ÷ the epochs its
   budget runs; 1 at the end). One move c4 rather than a bottom per rung: a sweep that prunes hard has few trials past
   the first rung. A budget with fewer than MIN_LEVEL trials is left out. A target-stopped trial has no end value (it
-  stopped at the target, not at a budget): its rungs count.
+  stopped at the target, not at a budget): its rungs count. A value read before the trial's warmup ended does not
+  count: its LR had not reached the peak LR the fit places (answer_check's first rung, 2.2 s, is the end of the
+  first epoch, its warmup: with them the fit put the best LR 1.5-2.6× below the grid's at batches 32 to 128).
   The best LR at batch B is the bowl's bottom at the end (p = 1): y*(x) = −(c1 + c3·x) / (2·c2), so it grows as
   B^α, α = −c3 / (2·c2): 1 is the linear rule, ½ the square-root rule. The interval is a bootstrap over the trials.
 - **Diverged trials bound the LR from above** (`ceilings`): a prediction stays a factor CEILING_MARGIN below the
   lowest diverged LR, moved to its batch along the slope. An out-of-memory trial bounds the batch, not the LR: the
   probe's cap handles it.
-- **The check** (`check`): each global batch left out in turn, its best trial's peak LR predicted from the others'
-  best trial by the fit (refitted without it), by the square-root rule and by keeping the LR. Predictions scale the
-  answer's LR by the fit's exponent only where the fit's mean error beats both rules'; otherwise by the better rule.
+- **The check** (`_checked`): each global batch left out in turn, its best peak LR (`_bottoms`: the bottom of the
+  sweep's bowl at that batch, else the LR of its best trial where that trial ran its whole budget) predicted from
+  the best-ranked other batch's by the fit (refitted without it), by the square-root rule and by keeping the LR.
+  Every predictor moves the same measured best, not the answer's sampled LR: anchored there, the check chose
+  whichever exponent made up for where that LR fell on the batches it left out (smaller than the answer's, mostly),
+  and made it worse on the other side, where a user scales up. Predictions scale the answer's LR by the fit's
+  exponent only where the fit's mean error beats both rules'; otherwise by the better rule.
   The rules can tie exactly, and a tie keeps the square-root rule: where the batches disagree (one's best LR falls
   with the batch, two others' rises faster than √B), the mean |ln error| is flat in the exponent between the two
   (tests/test_answer.py has the case benchmarks/answer_check.py met twice).
@@ -82,8 +88,9 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
         mine = [(k, *reading_at(t, record.metric, plan.time_attr, b)) for k, b in enumerate(rungs)]
         if ran_whole(t, spec):
             mine.append((end, t.epoch, t.last(record.metric)))
+        warmup = t.number(M.warmup_epochs) or 0.0
         mine = [(trials, batch, lr, k, sign * v, min(epoch / whole, 1.0)) for k, epoch, v in mine
-                if v is not None and math.isfinite(v)]
+                if v is not None and math.isfinite(v) and (epoch > warmup or k == end)]
         if mine:
             rows += mine
             trials += 1
@@ -137,7 +144,7 @@ def fit_lr(record: SweepRecord, spec, b_noise: float | None, ranked: list[RunRec
 
     def without(reason: str) -> LrFit:
         fit = LrFit(None, None, "undetermined", trials, batches, words, b_noise, reason, ceilings=ceilings)
-        return _checked(fit, data, center, ranked)
+        return _checked(fit, data, center, ranked, spec)
 
     if trials < MIN_FIT_TRIALS or len(batches) < 2:
         return without(f"{trials} finished and pruned trials over {len(batches)} global batch(es): the fit needs "
@@ -163,7 +170,7 @@ def fit_lr(record: SweepRecord, spec, b_noise: float | None, ranked: list[RunRec
               f"interval from {len(exponents)} bootstrap resamples of the trials")
     fit = LrFit(float(alpha), (low, high), supports, trials, batches, words, b_noise, reason, holds, coef, center,
                 (float(data[:, 2].min()), float(data[:, 2].max())), ceilings=ceilings)
-    return _checked(fit, data, center, ranked)
+    return _checked(fit, data, center, ranked, spec)
 
 
 def _best_by_batch(ranked: list[RunRecord]) -> dict[int, RunRecord]:
@@ -175,48 +182,66 @@ def _best_by_batch(ranked: list[RunRecord]) -> dict[int, RunRecord]:
     return out
 
 
-def _own_best(data, batch: int, fallback: float) -> float:
-    """The best peak LR at one global batch from its own trials alone: the bottom of a bowl in log LR fitted to them
-    (an intercept and a bottom per level, as the fit's), where it is one and lies within the LRs they ran; else its
-    best trial's LR (`fallback`). The check's measurement: a bowl through 5-10 trials is steadier than their argmin."""
+def _bottoms(data, center) -> dict[int, float]:
+    """Each global batch's best peak LR at the end of training, read from the sweep's bowl with a bottom of its own
+    per batch: the fit's design (an intercept per batch and per level, y², the bottom's move over training
+    y·(1 − p)) with a y term per batch instead of c1 + c3·x, so the bowl's depth and its move are pooled over every
+    trial but where each batch's bottom lies is its own trials' doing. Only bottoms inside the LRs the batch ran
+    (after its warmup); none where the pooled bowl is none. The check's measurement: a batch's best trial is often
+    pruned at an early rung (best early at a higher LR) and is a sampled LR, off its batch's best by the sampling."""
     import numpy as np
 
-    rows = data[data[:, 1] == batch]
-    lrs = np.unique(rows[:, 2])
-    if len(lrs) < 4:
-        return fallback
-    mine = rows.copy()
-    mine[:, 1] = 1.0  # one batch: no slope in x
-    y0 = float(np.log(rows[:, 2]).mean())
-    coef = _bowl(mine, (0.0, y0), slope=False)
-    if coef is None:
-        return fallback
-    bottom = y0 - coef[0] / (2 * coef[1])  # in log LR: a bowl almost flat puts it past any float's range
-    return math.exp(bottom) if math.log(lrs.min()) <= bottom <= math.log(lrs.max()) else fallback
+    if len(data) == 0:
+        return {}
+    y, v = np.log(data[:, 2]) - center[1], data[:, 4]
+    batches, levels = np.unique(data[:, 1]), np.unique(data[:, 3])
+    base = [*(data[:, 1] == b for b in batches), *(data[:, 3] == k for k in levels[1:])]
+    own = [y * (data[:, 1] == b) for b in batches]
+    for extra in ([y * (1 - data[:, 5])], []):
+        design = np.column_stack([*base, *extra, *own, y * y]).astype(np.float64)
+        if np.linalg.matrix_rank(design) < design.shape[1]:
+            continue
+        coef, *_ = np.linalg.lstsq(design, v, rcond=None)
+        c2 = float(coef[-1])
+        if c2 <= 0:
+            return {}
+        out = {}
+        for b, c1 in zip(batches, coef[-1 - len(batches):-1]):
+            bottom = -float(c1) / (2 * c2)  # in centred log LR
+            ran = y[data[:, 1] == b]
+            if ran.min() <= bottom <= ran.max():
+                out[int(b)] = math.exp(center[1] + bottom)
+        return out
+    return {}
 
 
-def _checked(fit: LrFit, data, center, ranked: list[RunRecord]) -> LrFit:
-    """The fit with its check (the module's docstring) and the searched range's edge, where there is one."""
+def _checked(fit: LrFit, data, center, ranked: list[RunRecord], spec) -> LrFit:
+    """The fit with its check (the module's docstring) and the searched range's edge, where there is one. A batch is
+    measured by its bottom (`_bottoms`), else by its best trial's LR where that trial ran its whole budget; a batch
+    with neither (its best trial pruned early, where the best LR is higher) is not measured. Every predictor moves
+    the same LR, the anchor batch's measured best, so that the check compares exponents and not where the sweep's
+    sampled LR at the anchor happened to fall (that LR is the answer's to move, not the check's)."""
     import dataclasses
 
     best = _best_by_batch(ranked)
+    bottoms = _bottoms(data, center)
+    measured = {b: bottoms[b] if b in bottoms else t.number(M.peak_lr) for b, t in best.items()
+                if b in bottoms or ran_whole(t, spec)}
     errors: dict[str, list[float]] = {"fit": [], "sqrt": [], "none": []}
     unfitted: list[int] = []  # left out, the others' refit had no minimum
-    for batch, truth in best.items():
-        anchor = next((t for t in ranked if t.number(M.global_batch_size) and t.number(M.peak_lr)
-                       and int(t.number(M.global_batch_size)) != batch), None)
-        if anchor is None:
+    for batch in measured:
+        a_batch = next((b for b in measured if b != batch), None)  # the best-ranked other batch: the answer's first
+        if a_batch is None:
             continue
-        a_batch, a_lr = anchor.number(M.global_batch_size), anchor.number(M.peak_lr)
-        measured = _own_best(data, batch, truth.number(M.peak_lr)) if len(data) else truth.number(M.peak_lr)
         rest = data[data[:, 1] != batch]
         alpha = _exponent(rest, center) if fit.fitted and len(rest) else None
         if fit.fitted and alpha is None:
             unfitted.append(batch)
         guesses = {"sqrt": RULES["sqrt"], "none": RULES["none"], **({"fit": alpha} if alpha is not None else {})}
         for name, exponent in guesses.items():
-            errors[name].append(abs(math.log(scaled(a_lr, a_batch, batch, exponent, fit.b_noise) / measured)))
-    left_out = tuple(sorted(best)) if errors["sqrt"] else ()
+            moved = scaled(measured[a_batch], a_batch, batch, exponent, fit.b_noise)
+            errors[name].append(abs(math.log(moved / measured[batch])))
+    left_out = tuple(sorted(measured)) if errors["sqrt"] else ()
     means = {k: sum(v) / len(v) for k, v in errors.items() if v and len(v) == len(errors["sqrt"])}
     check = None
     if means:

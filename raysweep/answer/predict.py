@@ -20,7 +20,7 @@ import dataclasses
 from raysweep.answer.confirmations import close, with_confirmations
 from raysweep.answer.fit import ceiling_at, scaled
 from raysweep.answer.recipe import answer_of, confirm_command, ranked, rates, samples_run, spec_of, throughput_at
-from raysweep.answer.records import Answer, Expected
+from raysweep.answer.records import UNPLACED, Answer, Expected
 from raysweep.metrics import SweepRecord
 from raysweep.metrics import names as M
 from raysweep.noise import in_samples
@@ -91,7 +91,8 @@ def _lr_at(base: Answer, batch: int) -> tuple[float, list[str]]:
     exponent, check = fit.used_exponent, fit.check
     lr = scaled(r.peak_lr, r.global_batch, batch, exponent, fit.b_noise)
     if check is None:
-        why = f"unchecked: the sweep ran one global batch ({fit.reason})" if fit.fitted else fit.reason
+        why = (f"unchecked: {UNPLACED}" if len(fit.batches) > 1 else
+               f"unchecked: the sweep ran one global batch ({fit.reason})" if fit.fitted else fit.reason)
         source = f"the square-root rule (B^{exponent:g}; {why})"
     else:
         errors = ", ".join(f"{k} {v:.2f}" for k, v in check.errors.items())

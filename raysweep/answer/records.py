@@ -10,6 +10,9 @@ from raysweep.metrics import ConfirmationRecord
 from raysweep.metrics import names as M
 
 ANSWER_FILE = "answer.json"  # in the sweep's report folder (layout.REPORT), beside report.html
+# why a sweep over several batches has no check (answer.fit._checked)
+UNPLACED = ("fewer than two of its global batches have a best LR it could place (a bottom of the sweep's bowl "
+            "inside the LRs the batch ran, or a best trial that ran its whole budget)")
 RULES = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}  # train.lr_rule's exponents: the rules a fit can support
 # the clock of every second the answer gives (train_seconds, the budget, ASHA, the time to the target)
 CLOCK = ("train_seconds: the epochs' training and evaluation, start-up and compiling excluded (ASHA's, the time "
