@@ -355,7 +355,9 @@ def report(mode: dict, truth: dict, trainer: Trainer, answer: dict, predicted: s
     bests = resampled_bests(cells)
     low, high = (sorted(bests)[round(q * (len(bests) - 1))] for q in (0.05, 0.95))
     lr_left = float(re.search(r"peak LR (\S+),", predicted).group(1))
-    keep, sqrt_rule = lr, lr * (mode["left_out"] / batch) ** 0.5
+    # the rules at the precision `answer --batch` prints (3 figures), as the prediction is read: the keep rule's own
+    # prediction is then the keep rule, never nearer than it by a rounding
+    keep, sqrt_rule = (float(f"{x:.2e}") for x in (lr, lr * (mode["left_out"] / batch) ** 0.5))
     share, verdict = left_out_goal(lr_left, keep, sqrt_rule, bests)
     best_trial = next(t for t in answer["trials"] if t["role"] == "the answer")
     figures = {

@@ -304,6 +304,18 @@ def test_answer_and_confirm_without_a_sweep_are_one_line_naming_the_spec(tmp_pat
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def test_a_tie_computed_in_floating_point_still_keeps_the_square_root_rule():
+    """Found by benchmarks/answer_check.py (64 trials, sweep seed 1): the rules tied, as they do where the batches
+    disagree, but the means came out 0.4009652060457005 (√) and 0.40096520604570046 (keep), so the check kept the
+    LR against its own rule that a tie keeps the square-root rule."""
+    from raysweep.answer.fit import chosen
+
+    assert chosen({"sqrt": 0.4009652060457005, "none": 0.40096520604570046}) == "sqrt"
+    assert chosen({"sqrt": 0.4009652060457005, "none": 0.40096520604570046, "fit": 0.4009652060457004}) == "sqrt"
+    assert chosen({"sqrt": 0.41, "none": 0.40, "fit": 0.39}) == "fit"
+    assert chosen({"sqrt": 0.41, "none": 0.40}) == "none"
+
+
 def test_a_fit_whose_leave_one_out_refits_find_no_minimum_says_it_was_not_checked():
     """Found by benchmarks/answer_check.py (32 trials): the sweep's fit had a minimum (B^1.15), but without one batch
     the others' refit had none, so the check compared the two rules alone and the answer's lines named only them: a

@@ -245,11 +245,20 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord], spec) -> LrFit:
     means = {k: sum(v) / len(v) for k, v in errors.items() if v and len(v) == len(errors["sqrt"])}
     check = None
     if means:
-        rule = "sqrt" if means["sqrt"] <= means["none"] else "none"
-        used = "fit" if "fit" in means and means["fit"] < means[rule] else rule
-        check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[rule],
+        used = chosen(means)
+        check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[used],
                          tuple(sorted(unfitted)))  # any of them keeps `fit` out of the means
     return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked))
+
+
+TIE = 1e-9  # mean errors closer than this are a tie: the rules' exact tie (module docstring) differs in the last bit
+
+
+def chosen(means: dict[str, float]) -> str:
+    """The predictor the check picks from its mean errors: the fit only where it beats both rules, else the better
+    rule, the square-root rule on a tie (computed in floating point, the exact tie came out 1e-17 either way)."""
+    rule = "sqrt" if means["sqrt"] <= means["none"] + TIE else "none"
+    return "fit" if "fit" in means and means["fit"] < means[rule] - TIE else rule
 
 
 def _edge(fit: LrFit, ranked: list[RunRecord]) -> str | None:
