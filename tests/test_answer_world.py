@@ -244,6 +244,22 @@ def test_the_check_compares_exponents_not_where_the_answers_sampled_lr_fell():
     assert sum(errors) / len(errors) < math.log(1.4), errors
 
 
+def test_a_sweep_whose_batches_have_no_measured_best_says_why_it_is_unchecked(sweep):
+    """Where fewer than two batches have a best LR the check can measure (a bottom inside their LRs, or a best trial
+    that ran whole), there is no check: the answer said "one global batch ran" of a sweep over four."""
+    from raysweep.answer.console import used_words
+    from raysweep.answer.predict import _lr_at
+
+    base = _answer(sweep)
+    unchecked = dataclasses.replace(base, lr_fit=dataclasses.replace(base.lr_fit, check=None))
+    assert len(unchecked.lr_fit.batches) == 4
+    assert "(unchecked: fewer than two of its global batches have a best LR it could place" in used_words(
+        unchecked.lr_fit)
+    lr, notes = _lr_at(unchecked, 2 * base.recipe.global_batch)
+    assert lr == pytest.approx(base.recipe.peak_lr * 2 ** 0.5)  # the square-root rule, unchecked
+    assert "the square-root rule (B^0.5; unchecked: fewer than two of its global batches" in notes[0], notes[0]
+
+
 def test_the_answers_own_batch_returns_the_answer(sweep):
     """Finding 3: `answer --batch <its own batch>` gave 1.44-1.80× its LR and 0.40-0.70× its decay."""
     base = _answer(sweep)

@@ -91,7 +91,7 @@ def _lr_at(base: Answer, batch: int) -> tuple[float, list[str]]:
     exponent, check = fit.used_exponent, fit.check
     lr = scaled(r.peak_lr, r.global_batch, batch, exponent, fit.b_noise)
     if check is None:
-        why = (f"unchecked: {UNPLACED}" if len(fit.batches) > 1 else
+        why = (f"unchecked: {UNPLACED}" + ("" if fit.fitted else f"; {fit.reason}") if len(fit.batches) > 1 else
                f"unchecked: the sweep ran one global batch ({fit.reason})" if fit.fitted else fit.reason)
         source = f"the square-root rule (B^{exponent:g}; {why})"
     else:
