@@ -147,8 +147,8 @@ def fit_lr(record: SweepRecord, spec, b_noise: float | None, ranked: list[RunRec
         return _checked(fit, data, center, ranked, spec)
 
     if trials < MIN_FIT_TRIALS or len(batches) < 2:
-        return without(f"{trials} finished and pruned trials over {len(batches)} global batch(es): the fit needs "
-                       f"{MIN_FIT_TRIALS} across 2 batches or more")
+        return without(f"{trials} finished and pruned trials with a value read after their warmup, over "
+                       f"{len(batches)} global batch(es): the fit needs {MIN_FIT_TRIALS} across 2 batches or more")
     coef = _bowl(data, center)
     if coef is None:
         return without(f"no minimum in peak LR within the {trials} trials' LRs (the best LR of a batch lies at the "
