@@ -15,11 +15,10 @@ train.time_budget_s, each from its own first epochs). Per batch: a
 coarse pass over LRs 2× apart (one seed), then the √2 midpoints on both sides of its best, then a second seed at its
 best three: the cells near the optimum are √2 apart and measured twice (the spread between seeds is reported). The
 left-out batch, whose best LR the goal is held to, gets a window of five LRs √2 apart around its coarse best, each on
-four seeds: on this CPU task the seeds of one cell spread as much as the bowl is deep over 4× in LR (0.1303 and
-0.1380 at one cell; seed-means 0.1342 to 0.1381 from 2.83e-3 to 5.66e-3), so two seeds' argmin places that best
-within 2× at most. Its best LR is the bottom of the parabola through the window's best seed-mean and its two
-neighbours, resampled over the seeds (bootstrap): the goal is met (missed) where it holds in 90 % of the resamples,
-else undecided. A
+four seeds: on this CPU task each such cell's seeds spread 9-21 % while the seed-means from 2.83e-3 to 5.66e-3 lie
+within 0.7 % (benchmarks/RESULTS.md, 2026-12-02), so two seeds' argmin places that best within 2× at most. Its best
+LR is the bottom of the parabola through the window's best seed-mean and its two neighbours, resampled over the
+seeds (bootstrap): the goal is met (missed) where it holds in 90 % of the resamples, else undecided. A
 diverging cell is recorded as diverged. The sweep is `python -m raysweep tune SPEC --confirm` in a fresh folder:
 the same task, its search over the grid's batches but one (left out) and the grid's LR range, its answer and
 confirmation as any user gets them. Reported, as RESULT lines, with the goal each is held to:
