@@ -105,22 +105,33 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
     return rows, len({r[0] for r in rows}), " and ".join(words) or "nowhere: too few trials at any budget"
 
 
-def _bowl(data, center, slope: bool = True) -> tuple[float, float, float] | None:
-    """Least squares of v on an intercept per batch and per level, y, y², x·y and y·(1 − progress) (the bottom's
-    move over training: module docstring); (c1, c2, c3) at the end of training (progress 1), or None where it is no
-    bowl in y (c2 ≤ 0) or the design is singular. Where the progress does not vary, one bottom for all."""
+def _least_squares(data, center, tail: list):
+    """Least squares of v on an intercept per batch and per level, y·(1 − progress) (the bottom's move over training:
+    module docstring) and the `tail` columns, last; the coefficients, or None where the design is singular. Where
+    the progress does not vary, without the move: one bottom for all."""
     import numpy as np
 
-    x, y, v = np.log(data[:, 1]) - center[0], np.log(data[:, 2]) - center[1], data[:, 4]
+    y = np.log(data[:, 2]) - center[1]
     batches, levels = np.unique(data[:, 1]), np.unique(data[:, 3])
     base = [*(data[:, 1] == b for b in batches), *(data[:, 3] == k for k in levels[1:])]
     for extra in ([y * (1 - data[:, 5])], []):
-        design = np.column_stack([*base, *extra, y, y * y, *([x * y] if slope else [])]).astype(np.float64)
+        design = np.column_stack([*base, *extra, *tail]).astype(np.float64)
         if np.linalg.matrix_rank(design) == design.shape[1]:
-            coef, *_ = np.linalg.lstsq(design, v, rcond=None)
-            c1, c2, c3 = (float(c) for c in coef[-3:]) if slope else (*(float(c) for c in coef[-2:]), 0.0)
-            return (c1, c2, c3) if c2 > 0 else None
+            return np.linalg.lstsq(design, data[:, 4], rcond=None)[0]
     return None
+
+
+def _bowl(data, center) -> tuple[float, float, float] | None:
+    """`_least_squares` with y, y² and x·y: (c1, c2, c3) at the end of training (progress 1), or None where it is no
+    bowl in y (c2 ≤ 0) or the design is singular."""
+    import numpy as np
+
+    x, y = np.log(data[:, 1]) - center[0], np.log(data[:, 2]) - center[1]
+    coef = _least_squares(data, center, [y, y * y, x * y])
+    if coef is None:
+        return None
+    c1, c2, c3 = (float(c) for c in coef[-3:])
+    return (c1, c2, c3) if c2 > 0 else None
 
 
 def _exponent(data, center) -> float | None:
@@ -193,26 +204,18 @@ def _bottoms(data, center) -> dict[int, float]:
 
     if len(data) == 0:
         return {}
-    y, v = np.log(data[:, 2]) - center[1], data[:, 4]
-    batches, levels = np.unique(data[:, 1]), np.unique(data[:, 3])
-    base = [*(data[:, 1] == b for b in batches), *(data[:, 3] == k for k in levels[1:])]
-    own = [y * (data[:, 1] == b) for b in batches]
-    for extra in ([y * (1 - data[:, 5])], []):
-        design = np.column_stack([*base, *extra, *own, y * y]).astype(np.float64)
-        if np.linalg.matrix_rank(design) < design.shape[1]:
-            continue
-        coef, *_ = np.linalg.lstsq(design, v, rcond=None)
-        c2 = float(coef[-1])
-        if c2 <= 0:
-            return {}
-        out = {}
-        for b, c1 in zip(batches, coef[-1 - len(batches):-1]):
-            bottom = -float(c1) / (2 * c2)  # in centred log LR
-            ran = y[data[:, 1] == b]
-            if ran.min() <= bottom <= ran.max():
-                out[int(b)] = math.exp(center[1] + bottom)
-        return out
-    return {}
+    y = np.log(data[:, 2]) - center[1]
+    batches = np.unique(data[:, 1])
+    coef = _least_squares(data, center, [*(y * (data[:, 1] == b) for b in batches), y * y])
+    if coef is None or coef[-1] <= 0:
+        return {}
+    c2, out = float(coef[-1]), {}
+    for b, c1 in zip(batches, coef[-1 - len(batches):-1]):
+        bottom = -float(c1) / (2 * c2)  # in centred log LR
+        ran = y[data[:, 1] == b]
+        if ran.min() <= bottom <= ran.max():
+            out[int(b)] = math.exp(center[1] + bottom)
+    return out
 
 
 def _checked(fit: LrFit, data, center, ranked: list[RunRecord], spec) -> LrFit:
