@@ -229,6 +229,36 @@ def test_values_read_inside_warmup_do_not_place_the_best_lr():
     assert sum(errors) / len(errors) < math.log(1.4), errors  # with them: ln 1.8 ≈ 0.59
 
 
+def test_an_answer_says_when_ashas_first_rung_judged_trials_inside_their_warmup():
+    """Seen in benchmarks/answer_check.py: under tune.asha.unit: seconds nothing can refuse a grace period shorter
+    than the warmup before the sweep (an epoch's seconds are measured by the trials), and its first rung (2.2 s) read
+    every trial at the end of its first epoch, its warmup: ASHA pruned on values from before the LR peaked, and the
+    fit left them out (25 of 64 trials kept). Here the first rung (2 s) ends inside the warmup at batches 32 and 64
+    (3.98 s and 2.81 s an epoch) and after it at 128 and 256. The answer says so in one note: how many trials the
+    rung read inside their warmup, how many it stopped there, and the grace period past the longest warmup that ran."""
+    record = world(seed=0, warmup=True)
+    rung = 2.0
+    compared = inside = stopped = 0
+    longest = 0.0
+    for t in record.trials:
+        if t.status not in ("finished", "pruned"):
+            continue
+        times = t.history["train_seconds"]
+        first = min(e for e, s in times.items() if s >= rung)
+        compared += 1
+        inside += first <= 1
+        stopped += first <= 1 and t.status == "pruned" and t.epoch == first
+        longest = max(longest, times[1])
+    assert 0 < stopped < inside < compared, (stopped, inside, compared)
+    notes = [n for n in _answer(record).notes if "ASHA's first rung" in n]
+    assert notes == [f"ASHA's first rung (2 training seconds) read {inside} of the {compared} trials it compared "
+                     f"inside their warmup and stopped {stopped} of them there, before their LR reached its peak (the "
+                     f"LR fit leaves such values out): raise tune.asha.grace_period past {longest:.3g} training "
+                     f"seconds, the longest warmup a trial took"], notes
+    later = SPEC.replace("grace_period: 2,", "grace_period: 4.5,")  # past every trial's first epoch
+    assert not [n for n in _answer(dataclasses.replace(record, spec_text=later)).notes if "first rung" in n]
+
+
 def test_the_check_compares_exponents_not_where_the_answers_sampled_lr_fell():
     """The check moved the answer's own sampled LR to each left-out batch: its mean error was lowest for whichever
     exponent made up for where that LR fell on those batches (smaller than the answer's, mostly), and the prediction

@@ -105,6 +105,41 @@ def _rows(record: SweepRecord, spec) -> tuple[list[tuple], int, str]:
     return rows, len({r[0] for r in rows}), " and ".join(words) or "nowhere: too few trials at any budget"
 
 
+def judged_in_warmup(record: SweepRecord, spec) -> str | None:
+    """A note where ASHA's first rung read trials before their warmup ended: ASHA judged them before their LR reached
+    its peak, and `_rows` leaves such values out. Under tune.asha.unit: seconds nothing can refuse that before the
+    sweep (an epoch's seconds are the trials' to measure; in epochs the spec refuses it unless
+    tune.asha.allow_grace_within_warmup). It names the grace period past the longest warmup that ran: a trial's
+    time at the last epoch inside its warmup. None where no trial was read inside its warmup."""
+    from raysweep.asha import AshaPlan
+    from raysweep.report.importance import reading_at
+
+    plan = AshaPlan.of(spec)
+    if not plan.rungs:
+        return None
+    rung = min(plan.rungs)
+    compared = inside = stopped = 0
+    longest = 0.0
+    for t in record.trials:
+        if t.status not in (FINISHED, PRUNED):
+            continue
+        epoch, value = reading_at(t, record.metric, plan.time_attr, rung)
+        if value is None:
+            continue
+        warmup = t.number(M.warmup_epochs) or 0.0
+        compared += 1
+        if epoch <= warmup:
+            inside += 1
+            stopped += t.status == PRUNED and t.epoch == epoch
+        longest = max(longest, (t.history.get(plan.time_attr) or {}).get(math.floor(warmup), 0.0))
+    if not inside:
+        return None
+    unit = "epochs" if plan.time_attr == M.epoch else "training seconds"
+    return (f"ASHA's first rung ({rung:g} {unit}) read {inside} of the {compared} trials it compared inside their "
+            f"warmup and stopped {stopped} of them there, before their LR reached its peak (the LR fit leaves such "
+            f"values out): raise tune.asha.grace_period past {longest:.3g} {unit}, the longest warmup a trial took")
+
+
 def _least_squares(data, center, tail: list):
     """Least squares of v on an intercept per batch and per level, y·(1 − progress) (the bottom's move over training:
     module docstring) and the `tail` columns, last; the coefficients, or None where the design is singular. Where

@@ -8,7 +8,7 @@ import json
 import math
 
 from raysweep.answer.confirmations import close, shortfall, with_confirmations
-from raysweep.answer.fit import ceiling_at, fit_lr, ran_whole
+from raysweep.answer.fit import ceiling_at, fit_lr, judged_in_warmup, ran_whole
 from raysweep.answer.records import Answer, Expected, Recipe
 from raysweep.metrics import FINISHED, MODEL_FACTORY, MODEL_KWARGS, MODEL_PARAMETERS, RunRecord, SweepRecord
 from raysweep.metrics import names as M
@@ -71,6 +71,9 @@ def answer_of(record: SweepRecord, spec_file: str | None, advice) -> Answer | No
            if samples and recipe.peak_lr and recipe.weight_decay else None)
     if fit.edge:
         notes.append(fit.edge)
+    early = judged_in_warmup(record, spec)
+    if early:
+        notes.append(early)
     better = fitted_recipe(recipe, fit, tau, samples)
     answer = Answer(recipe, expected, ran, not ran, best.trial_id, _support(record, order, best, spec), fit, tau,
                     confirm_command(spec_file, None), samples=samples, better=better)
