@@ -2,7 +2,7 @@
 training seconds on two seeds near each batch's optimum, then an ordinary sweep (ASHA in seconds) and its
 confirmation on the same task.
 
-    python benchmarks/answer_check.py            # CPU: 64×24 captchas, 4 batches, 20 s a run, ~30 min on 2 cores
+    python benchmarks/answer_check.py            # CPU: 64×24 captchas, 4 batches, 20 s a run, ~40 min on 2 cores
     python benchmarks/answer_check.py --gpu      # one GPU: 50,000 at 160×60, bf16
     python benchmarks/answer_check.py --quick    # the code path in about two minutes (CI): the sweep fits its LR
     python benchmarks/answer_check.py --trials 32 --keep /tmp/ac   # a larger sweep; its store kept to read back
@@ -15,10 +15,11 @@ train.time_budget_s, each from its own first epochs). Per batch: a
 coarse pass over LRs 2× apart (one seed), then the √2 midpoints on both sides of its best, then a second seed at its
 best three: the cells near the optimum are √2 apart and measured twice (the spread between seeds is reported). The
 left-out batch, whose best LR the goal is held to, gets a window of five LRs √2 apart around its coarse best, each on
-four seeds: on this CPU task each such cell's seeds spread 9-21 % while the seed-means from 2.83e-3 to 5.66e-3 lie
-within 0.7 % (benchmarks/RESULTS.md, 2026-12-02), so two seeds' argmin places that best within 2× at most. Its best
-LR is the bottom of the parabola through the window's best seed-mean and its two neighbours, resampled over the
-seeds (bootstrap): the goal is met (missed) where it holds in 90 % of the resamples, else undecided. A
+the same eight seeds (four on --gpu): on this CPU task each such cell's four seeds spread 9-21 % while the
+seed-means from 2.83e-3 to 5.66e-3 lay within 0.7 % (benchmarks/RESULTS.md, 2026-12-02), so two seeds' argmin
+places that best within 2× at most. Its best LR is the bottom of the parabola through the window's best seed-mean
+and its two neighbours, resampled over the seeds, each drawn for every cell (bootstrap; `resampled_bests`): the goal
+is met (missed) where it holds in 90 % of the resamples, else undecided. A
 diverging cell is recorded as diverged. The sweep is `python -m raysweep tune SPEC --confirm` in a fresh folder:
 the same task, its search over the grid's batches but one (left out) and the grid's LR range, its answer and
 confirmation as any user gets them. Reported, as RESULT lines, with the goal each is held to:
@@ -49,16 +50,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODES = {  # the task, the grid and the sweep of each mode; `window`, `left_seeds`: the left-out batch's cells
+MODES = {  # the task, the grid and the sweep of each mode; `window`, `left_seeds`: the left-out batch's cells;
+    # `grace`: ASHA's grace period as a share of the seconds (task_spec)
     "cpu": dict(width=64, height=24, train=4096, val=512, workers_cpus=2, gpu=False, precision="auto", seconds=20.0,
                 batches=(32, 64, 128, 256), lrs=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3), left_out=256, trials=16,
-                seeds=(0, 1), window=5, left_seeds=(0, 1, 2, 3)),
+                seeds=(0, 1), window=5, left_seeds=tuple(range(8)), grace=1 / 3),
     "gpu": dict(width=160, height=60, train=50_000, val=5_000, workers_cpus=4, gpu=True, precision="bf16",
                 seconds=10.0, batches=(256, 512, 1024, 2048), lrs=(1e-3, 2e-3, 4e-3, 8e-3), left_out=2048, trials=12,
-                seeds=(0, 1), window=5, left_seeds=(0, 1, 2, 3)),
+                seeds=(0, 1), window=5, left_seeds=(0, 1, 2, 3), grace=1 / 3),
     "quick": dict(width=64, height=24, train=512, val=128, workers_cpus=1, gpu=False, precision="fp32", seconds=2.0,
                   batches=(16, 32, 64), lrs=(1e-3, 4e-3), left_out=64, trials=10, seeds=(0,), window=3,
-                  left_seeds=(0,)),
+                  left_seeds=(0,), grace=1 / 9),
 }
 RESAMPLES = 400  # bootstrap resamples of the left-out batch's seeds: how sure the grid is of its best LR
 DECIDED = 0.9  # a goal met (missed) in at least this share of the resamples is met (missed); between, undecided
@@ -67,7 +69,10 @@ DIVERGED = math.inf  # a cell whose loss went non-finite: recorded, never the be
 
 def task_spec(mode: dict, work: Path) -> dict:
     """The task as a raysweep spec: one rank, a time budget, the LR given as the peak LR itself (lr_rule none), warmup
-    and weight decay fixed (the grid is batch × LR alone); its search: the grid's batches but the left-out one."""
+    and weight decay fixed (the grid is batch × LR alone); its search: the grid's batches but the left-out one. ASHA's
+    first rung comes after the warmup (one epoch): at a ninth of the seconds (2.2 s, until 2026-12-02) it read every
+    CPU trial inside its first epoch, pruned on values from before the LR peaked, and the fit could use 23-25 of 64
+    trials (benchmarks/RESULTS.md). --quick keeps a ninth: its two seconds are the code path, not the fit's evidence."""
     searched = [b for b in mode["batches"] if b != mode["left_out"]]
     seconds = mode["seconds"]
     return {
@@ -82,7 +87,7 @@ def task_spec(mode: dict, work: Path) -> dict:
                    "base_lr": {"loguniform": [min(mode["lrs"]), max(mode["lrs"])], "default": 1.0e-3},
                    "warmup_epochs": 1, "weight_decay": 1.0e-4},
         "tune": {"num_samples": mode["trials"], "metric": "val_loss", "seed": 0,
-                 "asha": {"unit": "seconds", "grace_period": round(seconds / 9, 3), "reduction_factor": 3}},
+                 "asha": {"unit": "seconds", "grace_period": round(seconds * mode["grace"], 3), "reduction_factor": 3}},
         "mlflow": {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}"},
     }
 
@@ -239,15 +244,25 @@ def window_best(means: dict[float, float]) -> float:
 
 
 def resampled_bests(cells: dict[float, list[float]], seed: int = 0) -> list[float]:
-    """window_best over RESAMPLES bootstrap resamples of each cell's seeds (the first: the cells as measured)."""
+    """window_best over RESAMPLES bootstrap resamples of the seeds (the first: the cells as measured). Every cell
+    holds the same seeds in the same order (`left_seeds`: the same initial weights and data order at each LR), so a
+    resample draws seeds, each for the whole window: a seed's own level, shared by every LR, moves every seed-mean
+    alike and not the best LR. Drawn cell by cell, that level would count as noise between LRs: on run 2's window
+    (benchmarks/RESULTS.md, 2026-12-02; seed 3 the worst at four of five LRs) 90 % of the bests spread 1.78×
+    cell by cell, 1.51× seed by seed."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     out = [window_best({lr: mean(v) for lr, v in cells.items()})]
-    if max(len(v) for v in cells.values()) < 2:
+    seeds = {len(v) for v in cells.values()}
+    if len(seeds) != 1:
+        raise ValueError(f"the window's cells hold {sorted(seeds)} seeds: each must hold every one of left_seeds")
+    n = seeds.pop()
+    if n < 2:
         return out  # one seed: nothing to resample
     for _ in range(RESAMPLES):
-        out.append(window_best({lr: float(np.mean(rng.choice(v, len(v)))) for lr, v in cells.items()}))
+        drawn = rng.integers(0, n, n)
+        out.append(window_best({lr: float(np.mean(np.asarray(v)[drawn])) for lr, v in cells.items()}))
     return out
 
 
@@ -269,6 +284,9 @@ def main() -> int:
     parser.add_argument("--gpu", action="store_true", help="one GPU: 50,000 images at 160×60, bf16")
     parser.add_argument("--seconds", type=float, default=None, help="training seconds per run (default: the mode's)")
     parser.add_argument("--trials", type=int, default=None, help="the sweep's trials (default: the mode's)")
+    parser.add_argument("--grace", type=float, default=None,
+                        help="ASHA's grace period as a share of the seconds (default: the mode's; 0.111 before "
+                             "2026-12-02)")
     parser.add_argument("--keep", default=None, help="work in this new folder and keep it (the store)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here too")
     parser.add_argument("--grid", default=None, help="the grid of an earlier run's --out on this machine, not rerun: "
@@ -280,6 +298,8 @@ def main() -> int:
         mode["seconds"] = args.seconds
     if args.trials:
         mode["trials"] = args.trials
+    if args.grace:
+        mode["grace"] = args.grace
     import yaml
 
     from raysweep.config import load_config
@@ -329,7 +349,7 @@ def main() -> int:
     figures = report(mode, truth, trainer, answer, predicted.stdout, left_confirmed)
     figures.update(grid_s=grid_s, total_s=time.monotonic() - started, trials=mode["trials"],
                    mode="quick" if args.quick else "gpu" if args.gpu else "cpu", sweep_seed=args.sweep_seed,
-                   grid_from=args.grid)
+                   grid_from=args.grid, grace_period_s=spec["tune"]["asha"]["grace_period"])
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
     return 0
