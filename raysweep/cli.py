@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fitted(p) -> None:
     p.add_argument("--fitted", action="store_true",
-                   help="the answer's batch with the sweep's checked fit's best LR (and its weight decay), where the "
-                        "fit predicts a better recipe than the best trial's")
+                   help="the answer's batch with the best LR the sweep places there (the checked fit's, else its "
+                        "bowl's bottom at that batch) and its weight decay, where that is a better recipe than the "
+                        "best trial's")
 
 
 def _store(p) -> None:

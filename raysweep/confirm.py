@@ -30,7 +30,7 @@ def _sweep_of(config):
 
 def answer_for(config, batch: int | None, fitted: bool = False):
     """(the sweep's record, its answer; or with `batch`, the predicted recipe at that global batch; or `fitted`, the
-    checked fit's recipe at the answer's batch: answer.recipe.fitted_answer)."""
+    fitted recipe at the answer's batch: answer.recipe.fitted_answer)."""
     from raysweep.answer import answer_of, predict
     from raysweep.answer.recipe import fitted_answer
 
@@ -49,7 +49,7 @@ def answer_for(config, batch: int | None, fitted: bool = False):
 
 def show(config, batch: int | None, fitted: bool = False) -> int:
     """`raysweep answer SPEC [--batch N | --fitted]`: the sweep's answer, the predicted recipe at global batch N, or
-    the checked fit's recipe at the answer's batch."""
+    the fitted recipe at the answer's batch."""
     from raysweep.answer import console as answer_console
 
     _, answer = answer_for(config, batch, fitted)
@@ -108,7 +108,7 @@ def run(config, batch: int | None = None, seeds: tuple[int, ...] | None = None, 
 
 
 def run_with_fitted(config, **kwargs) -> int:
-    """`tune --confirm`: the answer confirmed and, where the checked fit predicts a better recipe at its batch
+    """`tune --confirm`: the answer confirmed and, where the sweep predicts a better recipe at its batch
     (answer.recipe.fitted_recipe), that one on the same seeds; the answer then keeps whichever measured better.
     The exit code is the worse of the two."""
     code = run(config, **kwargs)
@@ -117,7 +117,7 @@ def run_with_fitted(config, **kwargs) -> int:
         return code
     from raysweep.answer import console as answer_console
 
-    answer_console.print_verdict(f"the checked fit predicts a better recipe at global batch "
+    answer_console.print_verdict(f"{answer.better_source} predicts a better recipe at global batch "
                                  f"{answer.recipe.global_batch}: peak LR {answer.better.peak_lr:.2e}; it runs next, on "
                                  f"the same seeds")
     return max(code, run(config, fitted=True, **kwargs))

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from raysweep.answer.records import FROM_BOTTOM
 from raysweep.metrics import TAG_BASELINE, ConfirmationRecord, RunRecord, SweepRecord, run_ending
 
 SPEC = """name: w
@@ -491,8 +492,34 @@ def test_where_the_checked_fit_puts_the_best_lr_elsewhere_a_better_recipe_is_pre
     assert fitted.recipe == b and fitted.predicted and fitted.confirm_command.endswith("--fitted")
     # within √2 of the answer's LR, or unchecked: nothing better is claimed
     assert fitted_recipe(dataclasses.replace(r, peak_lr=b.peak_lr * 1.3), fit, base.tau, base.samples) is None
+    # the slope unchecked: the bowl's own bottom at the answer's batch places the LR, and with none there nothing
     unchecked = dataclasses.replace(fit, check=dataclasses.replace(fit.check, used="sqrt"))
-    assert fitted_recipe(r, unchecked, base.tau, base.samples) is None
+    assert fitted_recipe(r, dataclasses.replace(unchecked, bottoms=()), base.tau, base.samples) is None
+    bottom = dataclasses.replace(unchecked, bottoms=((r.global_batch, r.peak_lr * 2),))
+    assert fitted_recipe(r, bottom, base.tau, base.samples).peak_lr == pytest.approx(r.peak_lr * 2)
+
+
+def test_where_the_fits_slope_lost_the_check_the_bowls_bottom_at_the_answers_batch_predicts_a_better_recipe():
+    """Seen in benchmarks/answer_check.py (2026-12-02): the slope did not survive the check, so no better recipe was
+    predicted, and the answer's sampled LR, 1.47× below its batch's best, missed the 5 % goal and set every
+    prediction off by as much. At the answer's own batch no slope is needed: the check's own measure of each batch's
+    best LR (the sweep's bowl with a bottom per batch) places it. In this world the best trial's LR is 1.64× the
+    final best at its batch, and that bottom within 5 % of it."""
+    from raysweep.answer.recipe import fitted_answer, kept
+
+    sweep = world(seed=18)
+    answer = _answer(sweep)
+    r, fit = answer.recipe, answer.lr_fit
+    truth = final_best(r.global_batch)
+    assert fit.check is not None and fit.check.used != "fit", fit.check
+    assert r.peak_lr / truth > 1.6
+    assert answer.better is not None and answer.better_source == FROM_BOTTOM
+    assert answer.better.peak_lr == pytest.approx(dict(fit.bottoms)[r.global_batch])
+    assert abs(math.log(answer.better.peak_lr / truth)) < math.log(1.05)
+    assert any(n.startswith(f"{FROM_BOTTOM} puts the best peak LR at global batch {r.global_batch}") and
+               "a better recipe is predicted" in n for n in kept(sweep, answer).notes)
+    assert answer.as_json()["better"]["source"] == FROM_BOTTOM
+    assert fitted_answer(answer).recipe == answer.better
 
 
 def test_the_fitted_recipe_becomes_the_answer_only_where_it_measured_better_on_the_same_seeds():

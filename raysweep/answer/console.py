@@ -45,7 +45,7 @@ def print_answer(answer, written: str | None = None) -> None:
     r, e, fit = answer.recipe, answer.expected, answer.lr_fit
     kind = ("predicted, not yet run" if answer.predicted and answer.trial_id is None else
             "predicted: its trial did not run the whole budget" if answer.predicted else "ran" if answer.trial_id
-            else "the checked fit's recipe, confirmed better than the best trial's")
+            else "the fitted recipe, confirmed better than the best trial's")
     print(f"\nanswer ({kind}): global batch {r.global_batch} = per-GPU {r.per_gpu_batch_size} × {r.num_workers} "
           f"workers × {r.grad_accum_steps} accumulation, peak LR {r.peak_lr:.2e}, warmup {r.warmup_epochs:g} "
           f"epoch{'s' if r.warmup_epochs != 1 else ''}, weight decay {r.weight_decay:.2e}")
@@ -91,7 +91,7 @@ def print_confirming(answer, seeds: tuple[int, ...]) -> None:
     """What `confirm` is about to run: the recipe, its seeds, the whole budget."""
     r = answer.recipe
     what = ("the sweep's answer" if answer.trial_id else
-            f"the checked fit's recipe at the answer's global batch {r.global_batch}"
+            f"the fitted recipe at the answer's global batch {r.global_batch}"
             if answer.confirm_command.endswith("--fitted") else
             f"the predicted recipe at global batch {r.global_batch}")
     print(f"confirm: {what}: global batch {r.global_batch} (per-GPU {r.per_gpu_batch_size} × {r.num_workers} × "

@@ -286,7 +286,7 @@ def _checked(fit: LrFit, data, center, ranked: list[RunRecord], spec) -> LrFit:
         used = chosen(means)
         check = FitCheck(means, left_out, used, fit.exponent if used == "fit" else RULES[used],
                          tuple(sorted(unfitted)))  # any of them keeps `fit` out of the means
-    return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked))
+    return dataclasses.replace(fit, check=check, edge=_edge(fit, ranked), bottoms=tuple(sorted(bottoms.items())))
 
 
 TIE = 1e-9  # mean errors closer than this are a tie: the rules' exact tie (module docstring) differs in the last bit

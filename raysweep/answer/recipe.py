@@ -9,7 +9,7 @@ import math
 
 from raysweep.answer.confirmations import close, shortfall, with_confirmations
 from raysweep.answer.fit import ceiling_at, fit_lr, judged_in_warmup, ran_whole
-from raysweep.answer.records import Answer, Expected, Recipe
+from raysweep.answer.records import FROM_BOTTOM, FROM_FIT, Answer, Expected, Recipe
 from raysweep.metrics import FINISHED, MODEL_FACTORY, MODEL_KWARGS, MODEL_PARAMETERS, RunRecord, SweepRecord
 from raysweep.metrics import names as M
 
@@ -76,28 +76,41 @@ def answer_of(record: SweepRecord, spec_file: str | None, advice) -> Answer | No
         notes.append(early)
     better = fitted_recipe(recipe, fit, tau, samples)
     answer = Answer(recipe, expected, ran, not ran, best.trial_id, _support(record, order, best, spec), fit, tau,
-                    confirm_command(spec_file, None), samples=samples, better=better)
+                    confirm_command(spec_file, None), samples=samples, better=better,
+                    better_source=better_lr(recipe, fit)[1] if better else "")
     return kept(record, with_confirmations(record, answer, notes))
 
 
-BETTER = math.sqrt(2)  # the checked fit's best LR must lie further than this from the answer's to predict better
+BETTER = math.sqrt(2)  # the fitted best LR must lie further than this from the answer's to predict better
+
+
+def better_lr(r: Recipe, fit) -> tuple[float, str] | None:
+    """The best peak LR the sweep places at the answer's batch, and what placed it: the checked fit's bottom at the end
+    of training where the fit beat both rules in the check (inside the LRs it saw), else the check's own measure
+    there, the bottom of the sweep's bowl with a bottom per batch (inside the LRs the batch ran): moving no LR to
+    another batch, it needs no slope. Kept below the cliff; None where neither places one."""
+    if fit.fitted and fit.check and fit.check.used == "fit":
+        lr, (low, high), source = fit.optimum(r.global_batch), fit.lr_range, FROM_FIT
+        if not low <= lr <= high:
+            return None
+    elif r.global_batch in dict(fit.bottoms):
+        lr, source = dict(fit.bottoms)[r.global_batch], FROM_BOTTOM
+    else:
+        return None
+    ceiling = ceiling_at(fit, r.global_batch, fit.used_exponent)
+    return (min(lr, ceiling) if ceiling else lr), source
 
 
 def fitted_recipe(r: Recipe, fit, tau: float | None, samples: float | None) -> Recipe | None:
-    """The answer's batch with the checked fit's best LR (the bottom of its bowl at the end of training, kept below
-    the cliff), its weight decay through the answer's τ and D: where the fit beat both rules in the check, its best
-    LR lies inside the LRs it saw and further than BETTER from the answer's (the best the sweep sampled); else None.
-    An answer never better than its best trial would leave this evidence unused."""
+    """The answer's batch with the sweep's best LR there (`better_lr`), its weight decay through the answer's τ and D,
+    where that LR lies further than BETTER from the answer's (the best the sweep sampled); else None. An answer
+    never better than its best trial would leave this evidence unused."""
     from raysweep.optim import LR_RULE_POWER
 
-    if not (fit.fitted and fit.check and fit.check.used == "fit"):
+    placed = better_lr(r, fit)
+    if placed is None or abs(math.log(placed[0] / r.peak_lr)) <= math.log(BETTER):
         return None
-    lr = fit.optimum(r.global_batch)
-    ceiling = ceiling_at(fit, r.global_batch, fit.exponent)
-    lr = min(lr, ceiling) if ceiling else lr
-    low, high = fit.lr_range
-    if not low <= lr <= high or abs(math.log(lr / r.peak_lr)) <= math.log(BETTER):
-        return None
+    lr = placed[0]
     wd = r.global_batch / (lr * tau * samples) if tau and samples else r.weight_decay
     return dataclasses.replace(r, peak_lr=lr, base_lr=lr / (r.global_batch / r.reference_batch_size)
                                ** LR_RULE_POWER[r.lr_rule], weight_decay=wd)
@@ -112,7 +125,7 @@ def kept(record: SweepRecord, answer: Answer) -> Answer:
     mine = [c for c in record.confirmations if c.complete and c.global_batch == b.global_batch
             and close(c.peak_lr, b.peak_lr, 1e-6)]
     ours = answer.confirmed
-    words = (f"the checked fit puts the best peak LR at global batch {b.global_batch} at {b.peak_lr:.2e}, "
+    words = (f"{answer.better_source} puts the best peak LR at global batch {b.global_batch} at {b.peak_lr:.2e}, "
              f"{b.peak_lr / answer.recipe.peak_lr:.2f}× the answer's (the best the sweep sampled there)")
     if not mine or ours is None:
         return dataclasses.replace(answer, notes=(*answer.notes, (
@@ -144,9 +157,9 @@ def fitted_answer(base: Answer) -> Answer:
     if base.better is None:
         if base.trial_id is None and base.ran:  # already the fitted recipe, measured better
             return base
-        why = (base.lr_fit.reason if not base.lr_fit.fitted else "the fit did not beat both rules in the check"
-               if not (base.lr_fit.check and base.lr_fit.check.used == "fit") else
-               "its best LR lies within √2 of the answer's, or outside the LRs it saw")
+        why = ("its best LR there lies within √2 of the answer's" if better_lr(base.recipe, base.lr_fit) else
+               "neither the checked fit nor the bowl with a bottom per batch places a best LR there inside the LRs "
+               "the sweep ran" + ("" if base.lr_fit.fitted else f" ({base.lr_fit.reason})"))
         raise UserError(f"--fitted: the sweep predicts no better recipe at global batch {base.recipe.global_batch} "
                         f"than its best trial's ({why}); confirm the answer itself")
     e = base.expected
@@ -154,8 +167,8 @@ def fitted_answer(base: Answer) -> Answer:
                                              f"beat")
     return dataclasses.replace(base, recipe=base.better, expected=expected, ran=False, predicted=True, trial_id=None,
                                better=None, confirmed=None, confirm_command=f"{base.confirm_command} --fitted",
-                               notes=(f"the checked fit's recipe at the answer's batch: to beat {base.expected.metric} "
-                                      f"{base.expected.value:.4g}, the best trial's",))
+                               notes=(f"the fitted recipe at the answer's batch, from {base.better_source}: to beat "
+                                      f"{base.expected.metric} {base.expected.value:.4g}, the best trial's",))
 
 
 def recipe_of(t: RunRecord, spec) -> Recipe:

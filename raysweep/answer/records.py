@@ -13,6 +13,9 @@ ANSWER_FILE = "answer.json"  # in the sweep's report folder (layout.REPORT), bes
 # why a sweep over several batches has no check (answer.fit._checked)
 UNPLACED = ("fewer than two of its global batches have a best LR it could place (a bottom of the sweep's bowl "
             "inside the LRs the batch ran, or a best trial that ran its whole budget)")
+# what places the fitted recipe's LR at the answer's batch (answer.recipe.better_lr)
+FROM_FIT = "the checked fit"
+FROM_BOTTOM = "the sweep's bowl with a bottom per batch (the check's measure of each batch's best LR)"
 RULES = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}  # train.lr_rule's exponents: the rules a fit can support
 # the clock of every second the answer gives (train_seconds, the budget, ASHA, the time to the target)
 CLOCK = ("train_seconds: the epochs' training and evaluation, start-up and compiling excluded (ASHA's, the time "
@@ -145,6 +148,9 @@ class LrFit:
     check: FitCheck | None = None  # the leave-one-batch-out check (None: fewer than two batches)
     ceilings: tuple[tuple[int, float], ...] = ()  # (global batch, peak LR) of trials that diverged or ran out of memory
     edge: str | None = None  # the best LR lies at the searched range's edge: that, and the range to search next
+    # (global batch, best peak LR) where the sweep's bowl with a bottom per batch places one inside the LRs the batch
+    # ran (answer.fit._bottoms): the check's measure of each batch's best LR
+    bottoms: tuple[tuple[int, float], ...] = ()
 
     @property
     def fitted(self) -> bool:
@@ -171,7 +177,8 @@ class LrFit:
                 "supports": self.supports, "consistent_with": list(self.consistent), "trials": self.trials,
                 "batches": list(self.batches), "budget": self.budget, "b_noise": self.b_noise, "reason": self.reason,
                 "rules": dict(RULES), "check": self.check.as_dict() if self.check else None,
-                "used_exponent": self.used_exponent, "ceilings": [list(c) for c in self.ceilings], "edge": self.edge}
+                "used_exponent": self.used_exponent, "ceilings": [list(c) for c in self.ceilings], "edge": self.edge,
+                "bottoms": {str(b): lr for b, lr in self.bottoms}}
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,8 @@ class Answer:
     notes: tuple[str, ...] = ()  # what a reader must know: the LR's source, an extrapolation, other confirmations
     confirmations: list[ConfirmationRecord] = field(default_factory=list)  # every confirmation of this sweep
     samples: float | None = None  # D: training samples the recipe trains over its whole budget
-    better: Recipe | None = None  # the checked fit's recipe at this batch, where it puts the best LR elsewhere
+    better: Recipe | None = None  # the fitted recipe at this batch, where the sweep puts the best LR elsewhere
+    better_source: str = ""  # what placed its LR (answer.recipe.better_lr): FROM_FIT or FROM_BOTTOM
 
     def as_json(self) -> dict:
         """answer.json: the recipe's keys at the top, then the evidence."""
@@ -215,7 +223,8 @@ class Answer:
             "confirmations": [c.as_dict() for c in self.confirmations],
             "better": None if self.better is None else {
                 "peak_lr": self.better.peak_lr, "base_lr": self.better.base_lr,
-                "weight_decay": self.better.weight_decay, "confirm_command": f"{self.confirm_command} --fitted"},
+                "weight_decay": self.better.weight_decay, "source": self.better_source,
+                "confirm_command": f"{self.confirm_command} --fitted"},
         }
 
     def params(self) -> dict[str, str]:

@@ -90,7 +90,7 @@ def _answer(report, run_url: str) -> str:
     r, e, fit = a.recipe, a.expected, a.lr_fit
     kind = ("predicted (not yet run)" if a.trial_id is None and a.predicted else
             "predicted: its trial did not run the whole budget" if a.predicted else "ran" if a.trial_id else
-            "the checked fit's recipe, confirmed better than the best trial's")
+            "the fitted recipe, confirmed better than the best trial's")
     rows = [("model", f"<b>{html.escape(r.model_line)}</b> (the recipe is this network's)"),
             ("global batch", f"<b>{r.global_batch}</b> = per-GPU {r.per_gpu_batch_size} × {r.num_workers} workers × "
                              f"{r.grad_accum_steps} accumulation"),
