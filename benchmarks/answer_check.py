@@ -28,7 +28,9 @@ confirmation as any user gets them. Reported, as RESULT lines, with the goal eac
   and the grid's seed-mean at the answer's batch and nearest LR;
 - the predicted peak LR for the batch the sweep left out (`raysweep answer SPEC --batch N`) against that batch's
   best grid LR (goal: within 1.25×, and closer than both trivial predictors: keeping the answer's LR, and the
-  square-root rule from it; in 90 % of the resamples of the window's seeds, and the argmin's ratio beside it);
+  square-root rule from it; in 90 % of the resamples of the window's seeds, and the argmin's ratio beside it), and
+  the goal's clauses apart (`left_out_clauses`), with the fit's own exponent's LR beside the rules' whether the
+  check used it or not: where the check picks a rule, the prediction is that rule and cannot beat it;
 - the prediction's expected value against its own confirmation at the left-out batch (goal: within 10 %; not in
   --quick);
 - the grid's epochs beside the sweep's answer's (both fill the same seconds).
@@ -278,6 +280,22 @@ def left_out_goal(predicted: float, keep: float, sqrt_rule: float, bests: list[f
     return share, "met" if share >= DECIDED else "missed" if share <= 1 - DECIDED else "undecided"
 
 
+def left_out_clauses(predicted: float, rules: dict[str, float], bests: list[float]) -> dict[str, float]:
+    """The goal's clauses apart, each as the share of the resampled best LRs it holds in: `within` (1.25×),
+    `beats_rules` (closer than both trivial predictors) and `chose_nearest` (the prediction is as near as the nearest
+    of `rules`: the trivial predictors and the fit's own exponent, used or not). Where the sweep's check picks a rule
+    the prediction is that rule, so `beats_rules` is 0 however near it lies: `within` and `chose_nearest` say
+    whether the check chose well."""
+    def off(x: float, best: float) -> float:
+        return abs(math.log(x / best))
+
+    trivial = [rules[k] for k in ("keep", "sqrt")]
+    return {"within": sum(off(predicted, b) <= math.log(1.25) for b in bests) / len(bests),
+            "beats_rules": sum(off(predicted, b) < min(off(x, b) for x in trivial) for b in bests) / len(bests),
+            "chose_nearest": sum(off(predicted, b) <= min(off(x, b) for x in rules.values()) + 1e-12
+                                 for b in bests) / len(bests)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the code path only: 3 batches, 10 trials of 2 s, a fit")
@@ -378,6 +396,10 @@ def report(mode: dict, truth: dict, trainer: Trainer, answer: dict, predicted: s
     # prediction is then the keep rule, never nearer than it by a rounding
     keep, sqrt_rule = (float(f"{x:.2e}") for x in (lr, lr * (mode["left_out"] / batch) ** 0.5))
     share, verdict = left_out_goal(lr_left, keep, sqrt_rule, bests)
+    exponent = answer["lr_fit"]["exponent"]  # the fit's own, used or not (no B_noise cap: the noise scale is far past)
+    fit_lr = float(f"{lr * (mode['left_out'] / batch) ** exponent:.2e}") if exponent is not None else None
+    clauses = left_out_clauses(lr_left, {"keep": keep, "sqrt": sqrt_rule, **({"fit": fit_lr} if fit_lr else {})},
+                               bests)
     best_trial = next(t for t in answer["trials"] if t["role"] == "the answer")
     figures = {
         "grid_best_seed_mean": best_value, "grid_best_batch": best_at[0], "grid_best_lr": best_at[1],
@@ -388,6 +410,7 @@ def report(mode: dict, truth: dict, trainer: Trainer, answer: dict, predicted: s
         "left_out_sqrt_lr": sqrt_rule, "left_out_grid_argmin_lr": argmin, "left_out_grid_vertex_lr": vertex,
         "left_out_grid_best_lr": bests[0], "left_out_grid_best_interval": [low, high],
         "left_out_goal_share": share, "left_out_goal": verdict, "left_out_seeds": most,
+        "left_out_fit_lr": fit_lr, "left_out_clauses": clauses,
         "left_out_confirmed": left_confirmed,
         "grid_epochs": {f"{b} {x!r}": e for (b, x), e in trainer.epochs.items()}, "grid_batch_epochs": trainer.fixed,
         "answer_epochs": answer.get("resolved_epochs"), "answer_trial_epoch": best_trial.get("epoch"),
@@ -420,6 +443,11 @@ def report(mode: dict, truth: dict, trainer: Trainer, answer: dict, predicted: s
         return max(x / bests[0], bests[0] / x)
 
     print(f"RESULT left_out_lr_vs_grid_best ratio={near(lr_left):.4f} goal=1.25 {verdict} resamples_met={share:.3f}")
+    print(f"RESULT left_out_lr_within_1.25 resamples={clauses['within']:.3f} closer_than_both_rules="
+          f"{clauses['beats_rules']:.3f} nearest_of_fit_and_rules={clauses['chose_nearest']:.3f}")
+    if fit_lr:
+        print(f"RESULT left_out_fit_lr_vs_grid_best ratio={near(fit_lr):.4f} (the fit's own B^{exponent:.2f}, "
+              f"{'used' if answer['lr_fit']['check'] and answer['lr_fit']['check']['used'] == 'fit' else 'not used'})")
     print(f"RESULT left_out_keep_lr_vs_grid_best ratio={near(keep):.4f}")
     print(f"RESULT left_out_sqrt_lr_vs_grid_best ratio={near(sqrt_rule):.4f}")
     print(f"RESULT left_out_lr_vs_grid_argmin ratio={off(lr_left):.4f}")

@@ -239,6 +239,11 @@ def test_answer_checks_left_out_goal_can_fail_pass_and_say_when_the_grid_cannot_
     noisy = ac.resampled_bests(cells(0.02, 1))  # seed-means as noisy as the bowl is deep across the window
     share, verdict = ac.left_out_goal(2.3e-3, 4e-3, 1.1e-3, noisy)
     assert verdict == "undecided" and 0.1 < share < 0.9, share
+    # the clauses apart: a prediction that is the square-root rule, the nearest of the three, meets 1.25× and is the
+    # nearest, and never beats both rules (answer_check 2026-12-03: 1.04× off, the fit's B^0.26 1.23×)
+    rules = {"keep": 4e-3, "sqrt": 2.1e-3, "fit": 2.6e-3}
+    assert ac.left_out_clauses(2.1e-3, rules, tight) == {"within": 1.0, "beats_rules": 0.0, "chose_nearest": 1.0}
+    assert ac.left_out_clauses(2.6e-3, rules, tight) == {"within": 0.0, "beats_rules": 0.0, "chose_nearest": 0.0}
     # a bowl with its bottom outside the window: the window's argmin, never a vertex past the LRs run
     assert ac.window_best({1e-3: 0.2, 2e-3: 0.19, 4e-3: 0.18}) == 4e-3
 
