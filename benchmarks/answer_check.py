@@ -268,13 +268,15 @@ def resampled_bests(cells: dict[float, list[float]], seed: int = 0) -> list[floa
     return out
 
 
+def ln_off(x: float, best: float) -> float:
+    """How far an LR lies from a best LR: |ln(x / best)|."""
+    return abs(math.log(x / best))
+
+
 def left_out_goal(predicted: float, keep: float, sqrt_rule: float, bests: list[float]) -> tuple[float, str]:
     """The share of the resampled best LRs the prediction meets the goal against (within 1.25×, and closer than both
     trivial predictors), and the verdict: met or missed in DECIDED of them, else undecided."""
-    def off(x: float, best: float) -> float:
-        return abs(math.log(x / best))
-
-    held = [off(predicted, b) <= math.log(1.25) and off(predicted, b) < min(off(keep, b), off(sqrt_rule, b))
+    held = [ln_off(predicted, b) <= math.log(1.25) and ln_off(predicted, b) < min(ln_off(keep, b), ln_off(sqrt_rule, b))
             for b in bests]
     share = sum(held) / len(held)
     return share, "met" if share >= DECIDED else "missed" if share <= 1 - DECIDED else "undecided"
@@ -286,13 +288,10 @@ def left_out_clauses(predicted: float, rules: dict[str, float], bests: list[floa
     of `rules`: the trivial predictors and the fit's own exponent, used or not). Where the sweep's check picks a rule
     the prediction is that rule, so `beats_rules` is 0 however near it lies: `within` and `chose_nearest` say
     whether the check chose well."""
-    def off(x: float, best: float) -> float:
-        return abs(math.log(x / best))
-
     trivial = [rules[k] for k in ("keep", "sqrt")]
-    return {"within": sum(off(predicted, b) <= math.log(1.25) for b in bests) / len(bests),
-            "beats_rules": sum(off(predicted, b) < min(off(x, b) for x in trivial) for b in bests) / len(bests),
-            "chose_nearest": sum(off(predicted, b) <= min(off(x, b) for x in rules.values()) + 1e-12
+    return {"within": sum(ln_off(predicted, b) <= math.log(1.25) for b in bests) / len(bests),
+            "beats_rules": sum(ln_off(predicted, b) < min(ln_off(x, b) for x in trivial) for b in bests) / len(bests),
+            "chose_nearest": sum(ln_off(predicted, b) <= min(ln_off(x, b) for x in rules.values()) + 1e-12
                                  for b in bests) / len(bests)}
 
 

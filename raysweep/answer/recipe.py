@@ -76,8 +76,7 @@ def answer_of(record: SweepRecord, spec_file: str | None, advice) -> Answer | No
         notes.append(early)
     better = fitted_recipe(recipe, fit, tau, samples)
     answer = Answer(recipe, expected, ran, not ran, best.trial_id, _support(record, order, best, spec), fit, tau,
-                    confirm_command(spec_file, None), samples=samples, better=better,
-                    better_source=better_lr(recipe, fit)[1] if better else "")
+                    confirm_command(spec_file, None), samples=samples, better=better)
     return kept(record, with_confirmations(record, answer, notes))
 
 

@@ -200,7 +200,14 @@ class Answer:
     confirmations: list[ConfirmationRecord] = field(default_factory=list)  # every confirmation of this sweep
     samples: float | None = None  # D: training samples the recipe trains over its whole budget
     better: Recipe | None = None  # the fitted recipe at this batch, where the sweep puts the best LR elsewhere
-    better_source: str = ""  # what placed its LR (answer.recipe.better_lr): FROM_FIT or FROM_BOTTOM
+
+    @property
+    def better_source(self) -> str:
+        """What placed `better`'s LR (answer.recipe.better_lr): the checked fit where the check used it, else the
+        bowl's bottom at the answer's batch; "" without `better`."""
+        if self.better is None:
+            return ""
+        return FROM_FIT if self.lr_fit.check and self.lr_fit.check.used == "fit" else FROM_BOTTOM
 
     def as_json(self) -> dict:
         """answer.json: the recipe's keys at the top, then the evidence."""
