@@ -206,10 +206,11 @@ def test_answer_check_quick_runs_the_grid_the_sweep_and_the_prediction():
         assert re.search(rf"^RESULT {name} ratio=\d+\.\d+$", out, re.M), name
 
 
-def _answer_check():
+def _benchmark(name: str = "answer_check"):
+    """A benchmark's module, loaded by its path (answer_check: the goals; answer_grid: its ground truth)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("answer_check", ROOT / "benchmarks" / "answer_check.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -223,7 +224,7 @@ def test_answer_checks_left_out_goal_can_fail_pass_and_say_when_the_grid_cannot_
 
     import numpy as np
 
-    ac = _answer_check()
+    ac, truth = _benchmark(), _benchmark("answer_grid")
     lrs = [2e-3 * math.sqrt(2) ** k for k in range(-2, 3)]
 
     def cells(noise: float, seed: int) -> dict:  # a bowl at 2e-3, 4 seeds a cell
@@ -231,12 +232,12 @@ def test_answer_checks_left_out_goal_can_fail_pass_and_say_when_the_grid_cannot_
         return {lr: [0.13 + 0.02 * math.log(lr / 2e-3) ** 2 + noise * rng.standard_normal() for _ in range(4)]
                 for lr in lrs}
 
-    tight = ac.resampled_bests(cells(0.0005, 1))
-    assert tight[0] == pytest.approx(2e-3, rel=0.05) and len(tight) == ac.RESAMPLES + 1
+    tight = truth.resampled_bests(cells(0.0005, 1))
+    assert tight[0] == pytest.approx(2e-3, rel=0.05) and len(tight) == truth.RESAMPLES + 1
     assert ac.left_out_goal(2.3e-3, 4e-3, 1.1e-3, tight) == (1.0, "met")
     assert ac.left_out_goal(4e-3, 4e-3, 5.6e-3, tight) == (0.0, "missed")  # the keep rule itself never beats it
     assert ac.left_out_goal(2.3e-3, 2.0e-3, 5.6e-3, tight)[1] == "missed"  # a trivial predictor closer: no better
-    noisy = ac.resampled_bests(cells(0.02, 1))  # seed-means as noisy as the bowl is deep across the window
+    noisy = truth.resampled_bests(cells(0.02, 1))  # seed-means as noisy as the bowl is deep across the window
     share, verdict = ac.left_out_goal(2.3e-3, 4e-3, 1.1e-3, noisy)
     assert verdict == "undecided" and 0.1 < share < 0.9, share
     # the clauses apart: a prediction that is the square-root rule, the nearest of the three, meets 1.25× and is the
@@ -245,7 +246,7 @@ def test_answer_checks_left_out_goal_can_fail_pass_and_say_when_the_grid_cannot_
     assert ac.left_out_clauses(2.1e-3, rules, tight) == {"within": 1.0, "beats_rules": 0.0, "chose_nearest": 1.0}
     assert ac.left_out_clauses(2.6e-3, rules, tight) == {"within": 0.0, "beats_rules": 0.0, "chose_nearest": 0.0}
     # a bowl with its bottom outside the window: the window's argmin, never a vertex past the LRs run
-    assert ac.window_best({1e-3: 0.2, 2e-3: 0.19, 4e-3: 0.18}) == 4e-3
+    assert truth.window_best({1e-3: 0.2, 2e-3: 0.19, 4e-3: 0.18}) == 4e-3
 
 
 def test_answer_checks_resamples_draw_seeds_not_cells():
@@ -257,14 +258,14 @@ def test_answer_checks_resamples_draw_seeds_not_cells():
 
     import numpy as np
 
-    ac = _answer_check()
+    ac, truth = _benchmark(), _benchmark("answer_grid")
     lrs = [2e-3 * math.sqrt(2) ** k for k in range(-2, 3)]
     rng = np.random.default_rng(3)
     shift = [0.02, -0.01, 0.005, -0.015, 0.0, 0.01]  # each seed's own level, shared by every LR
     cells = {lr: [0.13 + 0.02 * math.log(lr / 2e-3) ** 2 + s + 0.0005 * rng.standard_normal() for s in shift]
              for lr in lrs}
-    bests = ac.resampled_bests(cells)
-    assert bests[0] == pytest.approx(2e-3, rel=0.05) and len(bests) == ac.RESAMPLES + 1
+    bests = truth.resampled_bests(cells)
+    assert bests[0] == pytest.approx(2e-3, rel=0.05) and len(bests) == truth.RESAMPLES + 1
     assert max(bests) / min(bests) < 1.2, (min(bests), max(bests))
     assert ac.left_out_goal(2.2e-3, 4e-3, 1.1e-3, bests) == (1.0, "met")
 
