@@ -1,7 +1,7 @@
 """What rebuilding a sweep's report costs when an earlier report lies where it is written (what `confirm`,
 `tune --resume` and `raysweep report` do after `tune` wrote one), against building it where none is.
 
-The sweep is tests/test_answer_world.py's made-up one (60 trials by default: large_batch.yaml runs 24, and a
+The sweep is tests/answer_world.py's made-up one (60 trials by default: large_batch.yaml runs 24, and a
 sweep that is resumed or widened grows), written into a SQLite MLflow store as `tune` writes one. Each repetition
 publishes it into a new folder (every trial's PNG drawn) and then into the same folder again (each trial's PNG kept
 where its trial did not change: report/plots.py, trial_key); the two alternate, and the figure is the median of the
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # raysweep, and the tests' made-up sweep (tests/test_answer_world.py)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # raysweep, and the tests' made-up sweep (tests/answer_world.py)
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     trials = args.trials or (12 if args.quick else 60)
     repeats = args.repeats or (1 if args.quick else 3)
 
-    from test_answer_world import world, write_world
+    from answer_world import world, write_world
 
     from raysweep import report
     from raysweep.tracking import load_sweep

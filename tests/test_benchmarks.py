@@ -270,6 +270,15 @@ def test_answer_checks_resamples_draw_seeds_not_cells():
     assert ac.left_out_goal(2.2e-3, 4e-3, 1.1e-3, bests) == (1.0, "met")
 
 
+def test_fit_worlds_quick_counts_the_left_out_clauses_in_each_world():
+    out = _run("fit_worlds.py")
+    rows = [ln.split() for ln in out.splitlines() if re.match(r"\s+B\^(0\.5|1)\s", ln)]
+    assert [r[0] for r in rows] == ["B^0.5", "B^1"] and all(0 <= int(n) <= 5 for r in rows for n in r[1:]), out
+    for world in ("B050", "B100"):
+        for clause in ("within", "beats_rules", "nearest", "fit_used", "fit_own_within"):
+            assert re.search(rf"^RESULT fit_worlds_{world}_{clause} value=[01]\.\d{{3}}$", out, re.M), (world, clause)
+
+
 def test_report_rebuild_quick():
     out = _run("report_rebuild.py")
     assert "report_rebuild: a made-up sweep of 12 trials (12 with curves), SQLite store; 1 repetition(s)" in out

@@ -2,7 +2,7 @@
 than its best trial's, both recipes train on the same seeds and the answer keeps whichever measured better.
 
 A real sweep on this machine's tiny task never gives the fit the evidence to beat both rules, so the sweep here is
-tests/test_answer_world.py's made-up one (the best LR moving with the budget, an asymmetric bowl with a cliff, ASHA
+tests/answer_world.py's made-up one (the best LR moving with the budget, an asymmetric bowl with a cliff, ASHA
 on noisy values), written into a real MLflow store as `tune` writes one. What runs after it is what `tune --confirm`
 runs (confirm.run_with_fitted): two real confirmations on the local Ray cluster, each recipe for its whole budget on
 seeds 1 and 2, then the store, answer.json and report read back."""
@@ -13,7 +13,7 @@ import json
 import math
 
 import pytest
-from test_answer_world import world, write_world
+from answer_world import world, write_world
 
 TRIALS, SEED = 40, 5  # a world whose checked fit puts the best LR at the answer's batch 0.57× the best trial's
 SPEC = """name: w

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 
-from test_answer_world import world, write_world
+from answer_world import world, write_world
 
 
 def test_a_rebuilt_report_draws_again_only_the_trials_that_changed(tmp_path, monkeypatch):
