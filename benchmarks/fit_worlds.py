@@ -9,8 +9,9 @@ Each sweep searches global batches 32, 64 and 128 (60 trials); its answer's peak
 left out, by `raysweep answer --batch 256`'s code (answer.predict). Counted over a world's sweeps, against the
 world's best LR at 256, as benchmarks/answer_check.py holds a real grid's: within 1.25×; closer than both trivial
 predictors (keeping the answer's LR, and the square-root rule from it); as near as the nearest of those two and the
-fit's own exponent (used or not); how often the check used the fit; and the fit's own exponent's LR within 1.25×
-(RESULT fit_worlds_B025_within: the share within 1.25× in the B^0.25 world).
+fit's own exponent (used or not); how often the check used the fit; the fit's own exponent's LR within 1.25×;
+and how often the fit's bottom at the answer's batch lies more than 1.1× below the world's best there (RESULT
+fit_worlds_B025_within: the share within 1.25× in the B^0.25 world).
 Where a rule is the world's truth (B^0, B^0.5) the prediction can at best tie it, and "closer than both" measures
 chance; where neither is (B^0.25 between them, B^0.8 and B^1 past √B), it measures the fit.
 """
@@ -39,7 +40,7 @@ def main() -> int:
     print(f"fit_worlds: {sweeps} made-up sweeps a world over global batches {[2 * b for b in SEARCHED]}, the "
           f"prediction at {LEFT_OUT} against the world's best LR there", flush=True)
     print(f"{'world':>7}  {'within 1.25x':>12}  {'beats both rules':>16}  {'nearest':>7}  {'fit used':>8}  "
-          f"{'fit own within':>14}")
+          f"{'fit own within':>14}  {'fit bottom low':>14}")
     from answer_world import left_out_clauses
 
     counted = {}
@@ -47,7 +48,7 @@ def main() -> int:
         rows = [left_out_clauses(exponent, seed, SEARCHED, LEFT_OUT) for seed in range(sweeps)]
         counts = counted[exponent] = {k: sum(row[k] for row in rows) for k in rows[0]}
         print(f"{f'B^{exponent:g}':>7}  {counts['within']:>12}  {counts['beats_rules']:>16}  {counts['nearest']:>7}  "
-              f"{counts['fit_used']:>8}  {counts['fit_own_within']:>14}", flush=True)
+              f"{counts['fit_used']:>8}  {counts['fit_own_within']:>14}  {counts['fit_bottom_low']:>14}", flush=True)
     for exponent, counts in counted.items():
         for clause, count in counts.items():  # B050: the B^0.5 world (the exponent in hundredths)
             print(f"RESULT fit_worlds_B{round(exponent * 100):03d}_{clause} value={count / sweeps:.3f}")

@@ -179,7 +179,9 @@ def left_out_clauses(exponent: float, seed: int, searched=(16, 32, 64), left_out
     benchmarks/answer_check.py's clauses its prediction at global batch `left_out` meets against the world's best LR
     there: `within` 1.25×, `beats_rules` (closer than keeping the answer's LR and than the square-root rule from it),
     `nearest` (as near as the nearest of those and the fit's own exponent, used or not); `fit_used` (the check chose
-    the fit) and `fit_own_within` (the fit's own exponent's LR within 1.25×)."""
+    the fit) and `fit_own_within` (the fit's own exponent's LR within 1.25×); `fit_bottom_low`: the fit's bottom at
+    the answer's batch below the world's best there by more than 1.1× (the asymmetric bowl pulls it to the flat
+    side)."""
     record = world(seed=seed, batches=searched, exponent=exponent)
     answer = answer_to(record)
     r, fit = answer.recipe, answer.lr_fit
@@ -195,4 +197,5 @@ def left_out_clauses(exponent: float, seed: int, searched=(16, 32, 64), left_out
             "beats_rules": off(predicted) < min(off(keep), off(sqrt_rule)),
             "nearest": off(predicted) <= min(off(x) for x in (keep, sqrt_rule, own) if x is not None) + 1e-12,
             "fit_used": bool(fit.check and fit.check.used == "fit"),
-            "fit_own_within": own is not None and off(own) <= math.log(1.25)}
+            "fit_own_within": own is not None and off(own) <= math.log(1.25),
+            "fit_bottom_low": fit.fitted and fit.optimum(r.global_batch) < final_best(r.global_batch, exponent) / 1.1}

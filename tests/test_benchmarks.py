@@ -275,7 +275,7 @@ def test_fit_worlds_quick_counts_the_left_out_clauses_in_each_world():
     rows = [ln.split() for ln in out.splitlines() if re.match(r"\s+B\^(0\.5|1)\s", ln)]
     assert [r[0] for r in rows] == ["B^0.5", "B^1"] and all(0 <= int(n) <= 5 for r in rows for n in r[1:]), out
     for world in ("B050", "B100"):
-        for clause in ("within", "beats_rules", "nearest", "fit_used", "fit_own_within"):
+        for clause in ("within", "beats_rules", "nearest", "fit_used", "fit_own_within", "fit_bottom_low"):
             assert re.search(rf"^RESULT fit_worlds_{world}_{clause} value=[01]\.\d{{3}}$", out, re.M), (world, clause)
 
 
