@@ -2,7 +2,7 @@
 (not the fit's own model: the best LR 2× higher early than at the end, an asymmetric bowl with a divergence cliff,
 ASHA on noisy values) in worlds whose best LR grows as B^0, B^0.25, B^0.5, B^0.8 and B^1, many sweeps each.
 
-    python benchmarks/fit_worlds.py              # 40 sweeps a world, about a minute
+    python benchmarks/fit_worlds.py              # 40 sweeps a world, about 20 s
     python benchmarks/fit_worlds.py --quick      # 5 sweeps, two worlds (CI)
 
 Each sweep searches global batches 32, 64 and 128 (60 trials); its answer's peak LR is moved to 256, the batch it

@@ -182,6 +182,8 @@ def left_out_clauses(exponent: float, seed: int, searched=(16, 32, 64), left_out
     the fit) and `fit_own_within` (the fit's own exponent's LR within 1.25×); `fit_bottom_low`: the fit's bottom at
     the answer's batch below the world's best there by more than 1.1× (the asymmetric bowl pulls it to the flat
     side)."""
+    from raysweep.answer.fit import scaled
+
     record = world(seed=seed, batches=searched, exponent=exponent)
     answer = answer_to(record)
     r, fit = answer.recipe, answer.lr_fit
@@ -192,7 +194,8 @@ def left_out_clauses(exponent: float, seed: int, searched=(16, 32, 64), left_out
         return abs(math.log(lr / truth))
 
     keep, sqrt_rule = r.peak_lr, r.peak_lr * (left_out / r.global_batch) ** 0.5
-    own = r.peak_lr * (left_out / r.global_batch) ** fit.exponent if fit.exponent is not None else None
+    own = (scaled(r.peak_lr, r.global_batch, left_out, fit.exponent, fit.b_noise) if fit.exponent is not None
+           else None)  # the fit's own exponent, as a prediction moves the answer's LR (held past B_noise)
     return {"within": off(predicted) <= math.log(1.25),
             "beats_rules": off(predicted) < min(off(keep), off(sqrt_rule)),
             "nearest": off(predicted) <= min(off(x) for x in (keep, sqrt_rule, own) if x is not None) + 1e-12,
